@@ -1,0 +1,80 @@
+"""The project's exception tree.
+
+Tiers and transports convert third-party errors (OS, redis, grpc) into these at their edge;
+``server/`` alone maps them to gRPC status codes and HTTP statuses (``server/status.py``).
+A normal miss or "no room" is not an error: those return ``None`` or a count.
+"""
+
+from __future__ import annotations
+
+
+class LMCacheSvcError(Exception):
+    """Base of every error this project raises on purpose."""
+
+    kind = "internal"
+
+
+class InvalidArgument(LMCacheSvcError):
+    """The caller sent something malformed: a bad key, size, field or config value."""
+
+    kind = "invalid_argument"
+
+
+class UnknownNamespace(InvalidArgument):
+    """A namespace id that was never registered with this server."""
+
+    kind = "unknown_namespace"
+
+
+class SizeMismatch(InvalidArgument):
+    """Chunk bytes whose length disagrees with the namespace's chunk size."""
+
+    kind = "size_mismatch"
+
+
+class PayloadTooLarge(InvalidArgument):
+    """A body or batch over the configured limit."""
+
+    kind = "payload_too_large"
+
+
+class NotFound(LMCacheSvcError):
+    """A named object (chunk, lease, reservation) that does not exist (any more)."""
+
+    kind = "not_found"
+
+
+class NoSpace(LMCacheSvcError):
+    """No tier could make room without evicting pinned data."""
+
+    kind = "no_space"
+
+
+class Unauthenticated(LMCacheSvcError):
+    """Missing or wrong credentials."""
+
+    kind = "unauthenticated"
+
+
+class ConfigError(LMCacheSvcError):
+    """Invalid configuration, detected at start-up."""
+
+    kind = "config"
+
+
+class TierError(LMCacheSvcError):
+    """A tier's backend failed (disk I/O error, Redis down): the data is unavailable."""
+
+    kind = "tier_unavailable"
+
+
+class Corrupted(TierError):
+    """Stored bytes failed their checksum or header check; the chunk was dropped."""
+
+    kind = "corrupted"
+
+
+class ServerUnavailable(LMCacheSvcError):
+    """Client side: the server could not be reached or did not answer in time."""
+
+    kind = "server_unavailable"

@@ -1,0 +1,265 @@
+"""Namespaces and chained chunk keys.
+
+A *namespace* says what stored bytes mean: which model produced them, how a KV page is laid
+out, which tensor-parallel rank holds them and which tenant owns them. A *chunk hash* names
+the KV bytes of one chunk of tokens inside a namespace: it is a chained hash,
+``sha256(seed || parent_hash || token_ids)``, whose root parent is the namespace id, so the
+same prefix in two namespaces never shares a key.
+
+Everything here is a pure function of its arguments: canonical bytes (little-endian uint32
+token ids, sorted-key JSON for namespaces) and a fixed, versioned seed make keys identical
+across processes, hosts and Python hash seeds. Golden vectors in ``tests/test_keys.py`` pin
+the exact bytes; changing anything here requires a new ``KEY_FORMAT_VERSION``.
+
+This module needs only the standard library and numpy, so engine-side clients can import it
+without the server's dependencies.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any, NewType
+
+import numpy as np
+
+from lmcache_svc.errors import InvalidArgument
+
+KEY_FORMAT_VERSION = 1
+DEFAULT_CHUNK_SIZE = 256
+
+CHUNK_HASH_BYTES = 32
+NAMESPACE_ID_BYTES = 16
+
+ChunkHash = NewType("ChunkHash", bytes)
+"""32-byte sha256 digest naming one chunk of tokens inside a namespace."""
+
+NamespaceId = NewType("NamespaceId", bytes)
+"""16-byte digest of a namespace's canonical bytes."""
+
+ChunkKey = NewType("ChunkKey", bytes)
+"""A chunk's full storage key: namespace id (16 bytes) followed by its chunk hash (32 bytes)."""
+
+CHUNK_KEY_BYTES = NAMESPACE_ID_BYTES + CHUNK_HASH_BYTES
+
+_CHUNK_SEED = b"lmcache-svc/chunk/v1\x00"
+_NAMESPACE_SEED = b"lmcache-svc/namespace/v1\x00"
+_MAX_TOKEN_ID = 2**32 - 1
+_HEX_RE = re.compile(r"^[0-9a-f]*$")
+
+DTYPE_SIZES: dict[str, int] = {
+    "float32": 4,
+    "float16": 2,
+    "bfloat16": 2,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+    "int8": 1,
+    "uint8": 1,
+}
+
+
+@dataclass(frozen=True, slots=True)
+class KVLayout:
+    """How one rank's KV bytes are laid out; two layouts with equal fields share pages.
+
+    ``num_kv_heads`` counts the heads this rank holds (after tensor-parallel sharding).
+    ``page_layout`` is an opaque label for the byte order inside a page, e.g.
+    ``"vllm-cpu/NHC"``; pages are only ever restored into an identical layout.
+    ``kv_planes`` is 2 for separate K and V, 1 for a single latent (MLA).
+    """
+
+    dtype: str
+    num_layers: int
+    num_kv_heads: int
+    head_size: int
+    block_size: int
+    page_layout: str
+    kv_planes: int = 2
+
+    def validate(self) -> None:
+        if self.dtype not in DTYPE_SIZES:
+            raise InvalidArgument(
+                f"unknown dtype {self.dtype!r}; expected one of {sorted(DTYPE_SIZES)}"
+            )
+        for name in ("num_layers", "num_kv_heads", "head_size", "block_size"):
+            _require_positive_int(name, getattr(self, name))
+        if self.kv_planes not in (1, 2):
+            raise InvalidArgument(f"kv_planes must be 1 or 2, got {self.kv_planes!r}")
+        if not self.page_layout or len(self.page_layout) > 128:
+            raise InvalidArgument("page_layout must be a non-empty label of at most 128 chars")
+
+    @property
+    def bytes_per_token(self) -> int:
+        per_layer = self.kv_planes * self.num_kv_heads * self.head_size * DTYPE_SIZES[self.dtype]
+        return self.num_layers * per_layer
+
+
+@dataclass(frozen=True, slots=True)
+class Namespace:
+    """Everything that decides what a chunk's bytes mean, hashed into every key."""
+
+    model: str
+    layout: KVLayout
+    chunk_size: int = DEFAULT_CHUNK_SIZE
+    tp_rank: int = 0
+    tp_size: int = 1
+    tenant: str = "default"
+    key_version: int = KEY_FORMAT_VERSION
+    _id: bytes = field(default=b"", init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        self.validate()
+        digest = hashlib.sha256(_NAMESPACE_SEED + self.canonical_bytes()).digest()
+        object.__setattr__(self, "_id", digest[:NAMESPACE_ID_BYTES])
+
+    def validate(self) -> None:
+        if not isinstance(self.model, str) or not self.model or len(self.model) > 512:
+            raise InvalidArgument("namespace model must be a non-empty string of at most 512 chars")
+        if not isinstance(self.tenant, str) or not self.tenant or len(self.tenant) > 256:
+            raise InvalidArgument("namespace tenant must be a non-empty string of at most 256 chars")
+        if not isinstance(self.layout, KVLayout):
+            raise InvalidArgument("namespace layout must be a KVLayout")
+        self.layout.validate()
+        _require_positive_int("chunk_size", self.chunk_size)
+        _require_positive_int("tp_size", self.tp_size)
+        if not isinstance(self.tp_rank, int) or not 0 <= self.tp_rank < self.tp_size:
+            raise InvalidArgument(f"tp_rank must be in [0, tp_size={self.tp_size}), got {self.tp_rank!r}")
+        if self.key_version != KEY_FORMAT_VERSION:
+            raise InvalidArgument(
+                f"key_version {self.key_version!r} is not supported; this build speaks "
+                f"version {KEY_FORMAT_VERSION}"
+            )
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain-data form: JSON/YAML friendly, and the input of ``canonical_bytes``."""
+        return {
+            "model": self.model,
+            "layout": asdict(self.layout),
+            "chunk_size": self.chunk_size,
+            "tp_rank": self.tp_rank,
+            "tp_size": self.tp_size,
+            "tenant": self.tenant,
+            "key_version": self.key_version,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Namespace:
+        """Build from ``to_dict``'s form, naming the field that is missing or wrong."""
+        if not isinstance(data, dict):
+            raise InvalidArgument("namespace must be an object")
+        try:
+            layout = KVLayout(**data["layout"])
+            rest = {k: v for k, v in data.items() if k != "layout"}
+            return cls(layout=layout, **rest)
+        except KeyError as e:
+            raise InvalidArgument(f"namespace is missing field {e.args[0]!r}") from None
+        except TypeError as e:
+            raise InvalidArgument(f"bad namespace: {e}") from None
+
+    def canonical_bytes(self) -> bytes:
+        text = json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+        return text.encode("ascii")
+
+    @property
+    def namespace_id(self) -> NamespaceId:
+        return NamespaceId(self._id)
+
+    @property
+    def chunk_bytes(self) -> int:
+        """Exact size of one full chunk's KV bytes in this namespace."""
+        return self.chunk_size * self.layout.bytes_per_token
+
+
+def _require_positive_int(name: str, value: object) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise InvalidArgument(f"{name} must be a positive integer, got {value!r}")
+
+
+def pack_token_ids(token_ids: Sequence[int] | np.ndarray) -> bytes:
+    """Canonical bytes of token ids: little-endian uint32, rejecting ids out of range."""
+    arr = np.asarray(token_ids)
+    if arr.ndim != 1:
+        raise InvalidArgument(f"token ids must be a flat sequence, got shape {arr.shape}")
+    if arr.size == 0:
+        return b""
+    if not np.issubdtype(arr.dtype, np.integer):
+        raise InvalidArgument(f"token ids must be integers, got dtype {arr.dtype}")
+    if int(arr.min()) < 0 or int(arr.max()) > _MAX_TOKEN_ID:
+        raise InvalidArgument("token ids must be in [0, 2**32)")
+    return arr.astype("<u4", copy=False).tobytes()
+
+
+def chunk_hash(parent: bytes, token_ids: Sequence[int] | np.ndarray) -> ChunkHash:
+    """Hash of one chunk given its parent (the previous chunk hash, or the namespace id)."""
+    h = hashlib.sha256(_CHUNK_SEED)
+    h.update(parent)
+    h.update(pack_token_ids(token_ids))
+    return ChunkHash(h.digest())
+
+
+def chunk_hashes(
+    namespace: Namespace,
+    token_ids: Sequence[int] | np.ndarray,
+    *,
+    include_partial: bool = False,
+) -> list[ChunkHash]:
+    """Chained hashes of the consecutive chunks of ``token_ids`` in ``namespace``.
+
+    Only full chunks get a hash unless ``include_partial`` is set: the server stores full
+    chunks of exactly ``namespace.chunk_bytes``.
+    """
+    size = namespace.chunk_size
+    packed = pack_token_ids(token_ids)
+    num_tokens = len(packed) // 4
+    end = num_tokens if include_partial else num_tokens - num_tokens % size
+    parent: bytes = namespace.namespace_id
+    hashes: list[ChunkHash] = []
+    for start in range(0, end, size):
+        h = hashlib.sha256(_CHUNK_SEED)
+        h.update(parent)
+        h.update(packed[start * 4 : min(start + size, end) * 4])
+        parent = h.digest()
+        hashes.append(ChunkHash(parent))
+    return hashes
+
+
+def make_chunk_key(namespace_id: bytes, chunk_hash_: bytes) -> ChunkKey:
+    return ChunkKey(bytes(namespace_id) + bytes(chunk_hash_))
+
+
+def split_chunk_key(key: ChunkKey) -> tuple[NamespaceId, ChunkHash]:
+    return NamespaceId(key[:NAMESPACE_ID_BYTES]), ChunkHash(key[NAMESPACE_ID_BYTES:])
+
+
+def check_chunk_hash(value: bytes) -> ChunkHash:
+    """Validate a raw chunk hash from the wire."""
+    if not isinstance(value, (bytes, bytearray)) or len(value) != CHUNK_HASH_BYTES:
+        size = len(value) if isinstance(value, (bytes, bytearray)) else type(value).__name__
+        raise InvalidArgument(f"chunk hash must be {CHUNK_HASH_BYTES} bytes, got {size}")
+    return ChunkHash(bytes(value))
+
+
+def check_namespace_id(value: bytes) -> NamespaceId:
+    if not isinstance(value, (bytes, bytearray)) or len(value) != NAMESPACE_ID_BYTES:
+        size = len(value) if isinstance(value, (bytes, bytearray)) else type(value).__name__
+        raise InvalidArgument(f"namespace id must be {NAMESPACE_ID_BYTES} bytes, got {size}")
+    return NamespaceId(bytes(value))
+
+
+def parse_hex(value: str, nbytes: int, what: str) -> bytes:
+    """Parse lowercase/uppercase hex of exactly ``nbytes`` bytes, naming ``what`` on error."""
+    if not isinstance(value, str) or len(value) != 2 * nbytes or not _HEX_RE.match(value.lower()):
+        shown = value[:80] if isinstance(value, str) else type(value).__name__
+        raise InvalidArgument(f"{what} must be {2 * nbytes} hex characters, got {shown!r}")
+    return bytes.fromhex(value)
+
+
+def parse_chunk_hash(value: str) -> ChunkHash:
+    return ChunkHash(parse_hex(value, CHUNK_HASH_BYTES, "chunk hash"))
+
+
+def parse_namespace_id(value: str) -> NamespaceId:
+    return NamespaceId(parse_hex(value, NAMESPACE_ID_BYTES, "namespace id"))

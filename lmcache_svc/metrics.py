@@ -1,0 +1,105 @@
+"""Every Prometheus metric the server exports, defined in one place.
+
+Each server owns a ``Metrics`` with its own registry (no process-global state), so several
+servers can live in one test process. Tier state (capacity, used bytes, chunks) is read at
+scrape time from the tiers themselves, so the gauges can never drift from the truth.
+Names, labels and meanings are documented in ``docs/metrics.md``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from lmcache_svc.tiers.base import TierStats
+
+_LATENCY_BUCKETS = (
+    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0,
+)
+
+
+class _TierStateCollector(Collector):
+    def __init__(self, read_tiers: Callable[[], Iterable[TierStats]]) -> None:
+        self._read_tiers = read_tiers
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        capacity = GaugeMetricFamily(
+            "lmcache_svc_tier_capacity_bytes", "Configured capacity of the tier", labels=["tier"]
+        )
+        used = GaugeMetricFamily(
+            "lmcache_svc_tier_used_bytes", "Bytes held by the tier now", labels=["tier"]
+        )
+        chunks = GaugeMetricFamily(
+            "lmcache_svc_tier_chunks", "Chunks held by the tier now", labels=["tier"]
+        )
+        for s in self._read_tiers():
+            capacity.add_metric([s.name], s.capacity_bytes)
+            used.add_metric([s.name], s.used_bytes)
+            chunks.add_metric([s.name], s.num_chunks)
+        yield from (capacity, used, chunks)
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.hits = Counter(
+            "lmcache_svc_chunk_hits", "Chunks found, by the tier that held them", ["tier"], registry=r
+        )
+        self.misses = Counter(
+            "lmcache_svc_chunk_misses", "Chunks asked for and found in no tier", registry=r
+        )
+        self.lookup_chunks = Counter(
+            "lmcache_svc_lookup_chunks", "Chunks asked about by lookups", registry=r
+        )
+        self.lookup_hit_chunks = Counter(
+            "lmcache_svc_lookup_hit_chunks", "Chunks of lookups' contiguous hit prefixes", registry=r
+        )
+        self.evictions = Counter(
+            "lmcache_svc_evictions", "Chunks evicted from a tier (demoted or dropped)", ["tier"],
+            registry=r,
+        )
+        self.promotions = Counter(
+            "lmcache_svc_promotions", "Chunks copied up into a tier from a lower one", ["tier"],
+            registry=r,
+        )
+        self.demotions = Counter(
+            "lmcache_svc_demotions", "Chunks moved down into a tier on eviction", ["tier"], registry=r
+        )
+        self.bytes_read = Counter(
+            "lmcache_svc_read_bytes", "Bytes read from a tier", ["tier"], registry=r
+        )
+        self.bytes_written = Counter(
+            "lmcache_svc_written_bytes", "Bytes written to a tier", ["tier"], registry=r
+        )
+        self.requests = Counter(
+            "lmcache_svc_requests", "Requests handled", ["transport", "method", "code"], registry=r
+        )
+        self.request_latency = Histogram(
+            "lmcache_svc_request_latency_seconds", "Server-side request latency",
+            ["transport", "method"], buckets=_LATENCY_BUCKETS, registry=r,
+        )
+        self.active_leases = Gauge(
+            "lmcache_svc_active_leases", "Load leases currently pinning chunks", registry=r
+        )
+        self.pending_stores = Gauge(
+            "lmcache_svc_pending_stores", "Slots reserved by PrepareStore and not yet committed",
+            registry=r,
+        )
+        self.errors = Counter(
+            "lmcache_svc_errors", "Errors by kind (see lmcache_svc/errors.py)", ["kind"], registry=r
+        )
+        self.expired = Counter(
+            "lmcache_svc_expired", "Leases and reservations reclaimed by timeout or disconnect",
+            ["what"], registry=r,
+        )
+
+    def watch_tiers(self, read_tiers: Callable[[], Iterable[TierStats]]) -> None:
+        """Export capacity, used bytes and chunks of the tiers, read at each scrape."""
+        self.registry.register(_TierStateCollector(read_tiers))
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,143 @@
+"""The tier contract.
+
+A tier is a storage medium for chunk bytes, one object in the cache's ordered list (fastest
+first). A tier enforces its own capacity (``put`` answers ``False`` rather than exceed it) but
+knows nothing of eviction order, demotion or leases: that policy lives in ``cache.py``, which
+never branches on which tier it is talking to.
+
+Two kinds:
+
+- ``Tier``: bytes in, bytes out (SSD files, Redis keys).
+- ``SlotTier``: a tier whose bytes live in one mapped segment that clients on the same host
+  address in place, by ``Slot`` (offset, length). The CPU shared-memory arena is one; a GPU
+  HBM tier (CUDA IPC) will be another. ``allocate`` reserves room, the caller writes into
+  ``view(slot)``, and the cache decides when the bytes count as stored.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Union
+
+from lmcache_svc.keys import ChunkKey
+
+Buffer = Union[bytes, bytearray, memoryview]
+
+
+@dataclass(frozen=True, slots=True)
+class Slot:
+    """A byte range of a ``SlotTier``'s segment holding (or reserved for) one chunk."""
+
+    offset: int
+    length: int
+
+
+@dataclass(frozen=True, slots=True)
+class SegmentInfo:
+    """What a client needs to map a ``SlotTier``'s segment and check it is the right one.
+
+    ``nonce`` is written at the start of the segment by the server: a client that maps a
+    segment of the same name on another host reads different bytes and falls back to
+    inline transfers.
+    """
+
+    transport: str
+    name: str
+    size: int
+    nonce: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class TierStats:
+    name: str
+    capacity_bytes: int
+    used_bytes: int
+    num_chunks: int
+
+
+class Tier(ABC):
+    """A storage medium for chunk bytes, addressed by ``ChunkKey``.
+
+    Implementations are thread-safe: the cache calls them from many threads, and bulk I/O
+    happens outside the cache's lock. Backend failures raise ``TierError`` (``Corrupted``
+    for bytes that fail their checksum, after dropping them).
+    """
+
+    name: str
+    capacity_bytes: int
+    shared: bool = False
+    """True when other servers may add or remove chunks (Redis): the cache asks the tier on
+    a local miss instead of trusting its own index."""
+
+    @property
+    @abstractmethod
+    def used_bytes(self) -> int: ...
+
+    @property
+    @abstractmethod
+    def num_chunks(self) -> int: ...
+
+    @abstractmethod
+    def put(self, key: ChunkKey, data: Buffer) -> bool:
+        """Store ``data`` under ``key`` (replacing any old value); ``False`` if it does not fit."""
+
+    @abstractmethod
+    def read_into(self, key: ChunkKey, out: memoryview) -> bool:
+        """Copy the chunk into ``out`` (exactly its size); ``False`` if absent or dropped."""
+
+    @abstractmethod
+    def size_of(self, key: ChunkKey) -> int | None:
+        """Stored size of the chunk, or ``None`` if absent."""
+
+    @abstractmethod
+    def delete(self, key: ChunkKey) -> int:
+        """Remove the chunk; returns the bytes freed (0 if it was absent)."""
+
+    @abstractmethod
+    def contains_many(self, keys: Sequence[ChunkKey]) -> list[bool]:
+        """Presence of each key, in order, in as few round trips as the medium allows."""
+
+    def scan(self) -> Iterator[tuple[ChunkKey, int]]:
+        """Chunks already stored when the server starts, least recently used first."""
+        return iter(())
+
+    def get(self, key: ChunkKey) -> bytes | None:
+        size = self.size_of(key)
+        if size is None:
+            return None
+        out = bytearray(size)
+        return bytes(out) if self.read_into(key, memoryview(out)) else None
+
+    def put_many(self, items: Sequence[tuple[ChunkKey, Buffer]]) -> list[bool]:
+        """Batch form of ``put``; media with round trips override it to pipeline."""
+        return [self.put(key, data) for key, data in items]
+
+    def read_many_into(self, items: Sequence[tuple[ChunkKey, memoryview]]) -> list[bool]:
+        """Batch form of ``read_into``; media with round trips override it to pipeline."""
+        return [self.read_into(key, out) for key, out in items]
+
+    def stats(self) -> TierStats:
+        return TierStats(self.name, self.capacity_bytes, self.used_bytes, self.num_chunks)
+
+    def close(self) -> None:
+        """Release resources; the tier is not used afterwards."""
+
+
+class SlotTier(Tier):
+    """A tier whose chunks live in one segment that same-host clients map and address in place."""
+
+    @abstractmethod
+    def allocate(self, key: ChunkKey, nbytes: int) -> Slot | None:
+        """Reserve a slot of ``nbytes`` for ``key``; ``None`` when there is no free room."""
+
+    @abstractmethod
+    def slot_of(self, key: ChunkKey) -> Slot | None: ...
+
+    @abstractmethod
+    def view(self, slot: Slot) -> memoryview:
+        """Writable view of exactly the slot's bytes in the server's own mapping."""
+
+    @abstractmethod
+    def segment(self) -> SegmentInfo: ...
