@@ -44,6 +44,12 @@ class NotFound(LMCacheSvcError):
     kind = "not_found"
 
 
+class UnknownSession(NotFound):
+    """A session id the server does not know (it restarted, or the session ended)."""
+
+    kind = "unknown_session"
+
+
 class NoSpace(LMCacheSvcError):
     """No tier could make room without evicting pinned data."""
 

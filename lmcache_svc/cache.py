@@ -1,0 +1,708 @@
+"""The tiered cache: an ordered list of tiers and the policy that moves chunks between them.
+
+The first tier is a ``SlotTier`` (the shared-memory arena): clients write and read it in
+place. Lower tiers (SSD, Redis) receive evicted chunks (demotion) or every committed chunk
+(write-through), and a chunk found only in a lower tier is copied up into the first tier
+when it is loaded (promotion). The cache never asks which tier is which: behaviour comes
+from each tier's ``TierPolicy`` and from whether the tier is ``shared``.
+
+Ownership is two-phase and explicit:
+
+- store: ``prepare_store`` reserves slots (owned by a session, with a deadline),
+  ``commit_store`` publishes them, ``abort_store``/expiry/session end gives them back;
+- load: ``prepare_load`` pins the longest available prefix under a lease, ``release_load``
+  (or expiry, or session end) unpins. A pinned chunk is never evicted, demoted or freed.
+
+One lock guards the indices; bulk copies to and from lower tiers happen outside it, on
+entries that are pinned or detached from the index for the duration.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from lmcache_svc.errors import (
+    InvalidArgument,
+    PayloadTooLarge,
+    SizeMismatch,
+    TierError,
+    UnknownNamespace,
+)
+from lmcache_svc.keys import (
+    ChunkHash,
+    ChunkKey,
+    Namespace,
+    NamespaceId,
+    check_chunk_hash,
+    check_namespace_id,
+    make_chunk_key,
+)
+from lmcache_svc.metrics import Metrics
+from lmcache_svc.policy import (
+    CacheSettings,
+    CacheStats,
+    LoadLease,
+    LookupResult,
+    PreparedStore,
+    TierPolicy,
+)
+from lmcache_svc.tiers.base import Buffer, SegmentInfo, Slot, SlotTier, Tier
+from lmcache_svc.write_through import WriteThrough
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class _Entry:
+    """A chunk that has a slot in the first tier."""
+
+    slot: Slot
+    ready: bool
+    owner: str | None = None
+    deadline: float = 0.0
+    pins: int = 0
+    doomed: bool = False
+    """Deleted while pinned: freed when the last pin goes."""
+
+
+@dataclass(slots=True)
+class _Lease:
+    keys: list[ChunkKey]
+    session_id: str | None
+    deadline: float
+
+
+@dataclass(slots=True)
+class _Lower:
+    tier: Tier
+    policy: TierPolicy
+    index: OrderedDict[ChunkKey, int]
+    """Chunks known to be in the tier (key -> size), least recently used first."""
+
+
+class TieredCache:
+    def __init__(
+        self,
+        first: SlotTier,
+        lower: Sequence[tuple[Tier, TierPolicy]] = (),
+        *,
+        settings: CacheSettings | None = None,
+        metrics: Metrics | None = None,
+    ) -> None:
+        if not isinstance(first, SlotTier):
+            raise TypeError("the first tier must be a SlotTier (clients address it in place)")
+        self.settings = settings or CacheSettings()
+        self.metrics = metrics or Metrics()
+        self._first = first
+        self._lower = [_Lower(t, p, OrderedDict(t.scan())) for t, p in lower]
+        self._lock = threading.RLock()
+        self._entries: OrderedDict[ChunkKey, _Entry] = OrderedDict()
+        self._detached: set[ChunkKey] = set()
+        self._leases: dict[str, _Lease] = {}
+        self._namespaces: dict[NamespaceId, Namespace] = {}
+        self._sessions: set[str] = set()
+        self._stop = threading.Event()
+        self._wake = threading.Event()
+        self._maintenance: threading.Thread | None = None
+        self._write_through = WriteThrough(
+            self._copy_through, enabled=any(lw.policy.write_through for lw in self._lower)
+        )
+        self.metrics.watch_tiers(lambda: [t.stats() for t in self.tiers])
+
+    @property
+    def tiers(self) -> list[Tier]:
+        return [self._first, *(lw.tier for lw in self._lower)]
+
+    def segment(self) -> SegmentInfo:
+        return self._first.segment()
+
+    # -- lifecycle -----------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start background maintenance (expiry, watermark eviction) and write-through."""
+        self._maintenance = threading.Thread(
+            target=self._maintain, name="lmcache-svc-maintenance", daemon=True
+        )
+        self._maintenance.start()
+        self._write_through.start()
+
+    def close(self) -> None:
+        """Stop background work, finish queued write-throughs, close every tier."""
+        self._stop.set()
+        self._wake.set()
+        if self._maintenance is not None:
+            self._maintenance.join(timeout=10)
+        self._write_through.stop()
+        for tier in self.tiers:
+            tier.close()
+
+    def _maintain(self) -> None:
+        while not self._stop.is_set():
+            self._wake.wait(self.settings.maintenance_interval_s)
+            self._wake.clear()
+            try:
+                self.reap_expired()
+                self.evict_to_watermark()
+            except Exception:  # keep the thread alive; the error is logged and counted
+                log.exception("maintenance step failed")
+                self.metrics.errors.labels(kind="maintenance").inc()
+
+    # -- namespaces and sessions ---------------------------------------------------------
+
+    def register_namespace(self, namespace: Namespace) -> Namespace:
+        with self._lock:
+            return self._namespaces.setdefault(namespace.namespace_id, namespace)
+
+    def namespace(self, namespace_id: bytes) -> Namespace:
+        ns_id = check_namespace_id(namespace_id)
+        try:
+            return self._namespaces[ns_id]
+        except KeyError:
+            raise UnknownNamespace(
+                f"namespace {ns_id.hex()} is not registered; register it first"
+            ) from None
+
+    def open_session(self) -> str:
+        session_id = secrets.token_hex(8)
+        with self._lock:
+            self._sessions.add(session_id)
+        return session_id
+
+    def has_session(self, session_id: str) -> bool:
+        with self._lock:
+            return session_id in self._sessions
+
+    def close_session(self, session_id: str) -> None:
+        """The client is gone: give back its reservations and leases now."""
+        with self._lock:
+            self._sessions.discard(session_id)
+            lease_ids = [i for i, lease in self._leases.items() if lease.session_id == session_id]
+            owned = [k for k, e in self._entries.items() if not e.ready and e.owner == session_id]
+        for lease_id in lease_ids:
+            if self.release_load(lease_id):
+                self.metrics.expired.labels(what="lease").inc()
+        self.metrics.expired.labels(what="reservation").inc(self._abort_keys(owned))
+
+    def _keys(self, namespace_id: bytes, chunk_hashes: Sequence[bytes]) -> list[ChunkKey]:
+        ns = self.namespace(namespace_id)
+        if len(chunk_hashes) > self.settings.max_chunks_per_request:
+            raise PayloadTooLarge(
+                f"{len(chunk_hashes)} chunks in one request; the limit is "
+                f"{self.settings.max_chunks_per_request}"
+            )
+        return [make_chunk_key(ns.namespace_id, check_chunk_hash(h)) for h in chunk_hashes]
+
+    # -- lookup ----------------------------------------------------------------------------
+
+    def lookup(self, namespace_id: bytes, chunk_hashes: Sequence[bytes]) -> LookupResult:
+        """Longest contiguous prefix of the chunks present in any tier, and where each is."""
+        keys = self._keys(namespace_id, chunk_hashes)
+        tiers = self._locate(keys)
+        self.metrics.lookup_chunks.inc(len(keys))
+        self.metrics.lookup_hit_chunks.inc(len(tiers))
+        self.metrics.misses.inc(len(keys) - len(tiers))
+        for name in tiers:
+            self.metrics.hits.labels(tier=name).inc()
+        return LookupResult(len(tiers), tiers)
+
+    def _locate(self, keys: list[ChunkKey]) -> list[str]:
+        found: list[str] = []
+        with self._lock:
+            for key in keys:
+                tier = self._local_tier(key)
+                if tier is None:
+                    break
+                found.append(tier.name)
+        rest = keys[len(found) :]
+        for lw in (lw for lw in self._lower if lw.tier.shared):
+            if not rest:
+                break
+            try:
+                present = lw.tier.contains_many(rest)
+            except TierError as e:
+                self._tier_failed(lw.tier, e)
+                continue
+            num = next((i for i, p in enumerate(present) if not p), len(present))
+            found.extend([lw.tier.name] * num)
+            rest = rest[num:]
+        return found
+
+    def _local_tier(self, key: ChunkKey) -> Tier | None:
+        entry = self._entries.get(key)
+        if entry is not None and entry.ready and not entry.doomed:
+            return self._first
+        for lw in self._lower:
+            if key in lw.index:
+                return lw.tier
+        return None
+
+    # -- store -----------------------------------------------------------------------------
+
+    def prepare_store(
+        self,
+        namespace_id: bytes,
+        chunk_hashes: Sequence[bytes],
+        *,
+        session_id: str | None = None,
+        ttl_s: float | None = None,
+    ) -> list[PreparedStore]:
+        keys = self._keys(namespace_id, chunk_hashes)
+        nbytes = self.namespace(namespace_id).chunk_bytes
+        deadline = time.monotonic() + self._ttl(ttl_s, self.settings.reservation_ttl_s)
+        out: list[PreparedStore] = []
+        for key, h in zip(keys, chunk_hashes):
+            status, slot = self._reserve(key, nbytes, session_id, deadline)
+            out.append(PreparedStore(ChunkHash(bytes(h)), status, slot))
+        self._update_pending()
+        return out
+
+    def _reserve(
+        self, key: ChunkKey, nbytes: int, owner: str | None, deadline: float
+    ) -> tuple[str, Slot | None]:
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is not None and not entry.doomed:
+                if entry.ready:
+                    self._entries.move_to_end(key)
+                    return "already_stored", None
+                return "in_progress", None
+            if key in self._detached or (entry is not None and entry.doomed):
+                return "in_progress", None
+            if any(key in lw.index for lw in self._lower):
+                return "already_stored", None
+        slot = self._allocate(key, nbytes, owner, deadline)
+        return ("reserved", slot) if slot is not None else ("no_space", None)
+
+    def _allocate(
+        self, key: ChunkKey, nbytes: int, owner: str | None, deadline: float
+    ) -> Slot | None:
+        """A not-ready entry for ``key`` with a fresh slot, evicting to make room."""
+        while True:
+            with self._lock:
+                if key in self._entries or key in self._detached:
+                    return None
+                slot = self._first.allocate(key, nbytes)
+                if slot is not None:
+                    self._entries[key] = _Entry(slot, ready=False, owner=owner, deadline=deadline)
+                    return slot
+            if not self._evict_first(nbytes):
+                return None
+
+    def commit_store(
+        self, namespace_id: bytes, chunk_hashes: Sequence[bytes], *, session_id: str | None = None
+    ) -> int:
+        keys = self._keys(namespace_id, chunk_hashes)
+        committed: list[ChunkKey] = []
+        with self._lock:
+            for key in keys:
+                entry = self._entries.get(key)
+                if entry is None or entry.ready or entry.doomed or entry.owner != session_id:
+                    continue
+                entry.ready, entry.owner = True, None
+                self._entries.move_to_end(key)
+                self.metrics.bytes_written.labels(tier=self._first.name).inc(entry.slot.length)
+                committed.append(key)
+        self._update_pending()
+        self._write_through.submit(committed)
+        self._wake_if_above_watermark()
+        return len(committed)
+
+    def abort_store(
+        self, namespace_id: bytes, chunk_hashes: Sequence[bytes], *, session_id: str | None = None
+    ) -> int:
+        keys = self._keys(namespace_id, chunk_hashes)
+        with self._lock:
+            owned = [k for k in keys if (e := self._entries.get(k)) and not e.ready
+                     and e.owner == session_id]
+        return self._abort_keys(owned)
+
+    def _abort_keys(self, keys: Sequence[ChunkKey]) -> int:
+        num = 0
+        with self._lock:
+            for key in keys:
+                entry = self._entries.get(key)
+                if entry is not None and not entry.ready and entry.pins == 0:
+                    self._free(key)
+                    num += 1
+        self._update_pending()
+        return num
+
+    def put(self, namespace_id: bytes, chunk_hash: bytes, data: Buffer) -> str:
+        """Store one chunk given inline; returns the prepare status ('reserved' = stored)."""
+        ns = self.namespace(namespace_id)
+        if len(data) != ns.chunk_bytes:
+            raise SizeMismatch(
+                f"chunk is {len(data)} bytes; namespace {ns.namespace_id.hex()} stores chunks "
+                f"of exactly {ns.chunk_bytes} bytes"
+            )
+        owner = f"put-{secrets.token_hex(6)}"
+        (prepared,) = self.prepare_store(namespace_id, [chunk_hash], session_id=owner)
+        if prepared.slot is not None:
+            try:
+                self._first.view(prepared.slot)[:] = data
+            except BaseException:
+                self.abort_store(namespace_id, [chunk_hash], session_id=owner)
+                raise
+            self.commit_store(namespace_id, [chunk_hash], session_id=owner)
+        return prepared.status
+
+    # -- load ------------------------------------------------------------------------------
+
+    def prepare_load(
+        self,
+        namespace_id: bytes,
+        chunk_hashes: Sequence[bytes],
+        *,
+        session_id: str | None = None,
+        ttl_s: float | None = None,
+    ) -> LoadLease:
+        """Pin the longest available prefix in the first tier, promoting from lower tiers."""
+        keys = self._keys(namespace_id, chunk_hashes)
+        nbytes = self.namespace(namespace_id).chunk_bytes
+        pinned: list[ChunkKey] = []
+        sources: list[str] = []
+        with self._lock:
+            for key in keys:
+                entry = self._entries.get(key)
+                if entry is None or not entry.ready or entry.doomed:
+                    break
+                entry.pins += 1
+                self._entries.move_to_end(key)
+                pinned.append(key)
+                sources.append(self._first.name)
+        if len(pinned) < len(keys):
+            promoted, promoted_from = self._promote(keys[len(pinned) :], nbytes)
+            pinned += promoted
+            sources += promoted_from
+        if not pinned:
+            return LoadLease(None)
+        deadline = time.monotonic() + self._ttl(ttl_s, self.settings.lease_ttl_s)
+        lease_id = secrets.token_hex(12)
+        with self._lock:
+            self._leases[lease_id] = _Lease(pinned, session_id, deadline)
+            slots = [self._entries[k].slot for k in pinned]
+            self.metrics.active_leases.set(len(self._leases))
+        for slot, name in zip(slots, sources):
+            self.metrics.bytes_read.labels(tier=name).inc(slot.length)
+        return LoadLease(lease_id, slots, sources)
+
+    def _promote(self, keys: list[ChunkKey], nbytes: int) -> tuple[list[ChunkKey], list[str]]:
+        """Copy a contiguous run of chunks up from lower tiers; returns the pinned prefix."""
+        plan = self._promotion_sources(keys)
+        reserved: list[tuple[ChunkKey, _Lower]] = []
+        for key, lw in plan:
+            if self._allocate(key, nbytes, owner="promotion", deadline=float("inf")) is None:
+                break
+            reserved.append((key, lw))
+        ok = self._read_up(reserved)
+        pinned: list[ChunkKey] = []
+        sources: list[str] = []
+        contiguous = True
+        with self._lock:
+            for key, lw in reserved:
+                entry = self._entries[key]
+                if not ok[key]:
+                    self._free(key)
+                    contiguous = False
+                    continue
+                entry.ready, entry.owner = True, None
+                self.metrics.promotions.labels(tier=self._first.name).inc()
+                if contiguous:
+                    entry.pins += 1
+                    pinned.append(key)
+                    sources.append(lw.tier.name)
+        return pinned, sources
+
+    def _promotion_sources(self, keys: list[ChunkKey]) -> list[tuple[ChunkKey, _Lower]]:
+        plan: list[tuple[ChunkKey, _Lower]] = []
+        with self._lock:
+            for key in keys:
+                if key in self._entries or key in self._detached:
+                    break
+                lw = next((lw for lw in self._lower if key in lw.index), None)
+                if lw is None:
+                    break
+                plan.append((key, lw))
+        rest = keys[len(plan) :]
+        for lw in (lw for lw in self._lower if lw.tier.shared):
+            if not rest:
+                break
+            try:
+                present = lw.tier.contains_many(rest)
+            except TierError as e:
+                self._tier_failed(lw.tier, e)
+                continue
+            num = next((i for i, p in enumerate(present) if not p), len(present))
+            plan += [(key, lw) for key in rest[:num]]
+            rest = rest[num:]
+        return plan
+
+    def _read_up(self, reserved: list[tuple[ChunkKey, _Lower]]) -> dict[ChunkKey, bool]:
+        """Read reserved chunks from their lower tiers into their first-tier slots."""
+        ok: dict[ChunkKey, bool] = {}
+        by_tier: dict[int, list[tuple[ChunkKey, memoryview]]] = {}
+        for key, lw in reserved:
+            view = self._first.view(self._entries[key].slot)
+            by_tier.setdefault(id(lw), []).append((key, view))
+        for lw in self._lower:
+            items = by_tier.get(id(lw))
+            if not items:
+                continue
+            try:
+                results = lw.tier.read_many_into(items)
+            except TierError as e:
+                self._tier_failed(lw.tier, e)
+                results = [False] * len(items)
+            for (key, view), good in zip(items, results):
+                ok[key] = good
+                if good:
+                    self.metrics.bytes_read.labels(tier=lw.tier.name).inc(len(view))
+                with self._lock:
+                    if good:
+                        if key in lw.index:
+                            lw.index.move_to_end(key)
+                    else:
+                        lw.index.pop(key, None)
+        return ok
+
+    def release_load(self, lease_id: str) -> bool:
+        with self._lock:
+            lease = self._leases.pop(lease_id, None)
+            if lease is None:
+                return False
+            for key in lease.keys:
+                self._unpin(key)
+            self.metrics.active_leases.set(len(self._leases))
+        return True
+
+    def _unpin(self, key: ChunkKey) -> None:
+        entry = self._entries[key]
+        if entry.pins <= 0:
+            raise RuntimeError(f"unpin of chunk {key.hex()} that is not pinned")
+        entry.pins -= 1
+        if entry.pins == 0 and entry.doomed:
+            self._free(key)
+
+    def get(self, namespace_id: bytes, chunk_hash: bytes) -> tuple[bytes, str] | None:
+        """One chunk's bytes and the tier it was found in, or None."""
+        lease = self.prepare_load(namespace_id, [chunk_hash])
+        if lease.lease_id is None:
+            return None
+        try:
+            return bytes(self._first.view(lease.slots[0])), lease.source_tiers[0]
+        finally:
+            self.release_load(lease.lease_id)
+
+    def contains(self, namespace_id: bytes, chunk_hash: bytes) -> str | None:
+        """Name of the tier holding the chunk, or None."""
+        result = self.lookup(namespace_id, [chunk_hash])
+        return result.tiers[0] if result.num_hit_chunks else None
+
+    def view(self, slot: Slot) -> memoryview:
+        return self._first.view(slot)
+
+    # -- delete ----------------------------------------------------------------------------
+
+    def delete(self, namespace_id: bytes, chunk_hashes: Sequence[bytes]) -> int:
+        """Remove the chunks from every tier; returns how many were present anywhere."""
+        keys = self._keys(namespace_id, chunk_hashes)
+        num = 0
+        for key in keys:
+            found = False
+            with self._lock:
+                entry = self._entries.get(key)
+                if entry is not None and entry.ready and not entry.doomed:
+                    found = True
+                    if entry.pins:
+                        entry.doomed = True
+                    else:
+                        self._free(key)
+                lowers = [lw for lw in self._lower if key in lw.index or lw.tier.shared]
+                for lw in lowers:
+                    lw.index.pop(key, None)
+            for lw in lowers:
+                try:
+                    found = lw.tier.delete(key) > 0 or found
+                except TierError as e:
+                    self._tier_failed(lw.tier, e)
+            num += found
+        return num
+
+    # -- eviction and demotion -------------------------------------------------------------
+
+    def evict_to_watermark(self) -> int:
+        """Evict from the first tier until it is under the low watermark; returns chunks."""
+        first = self._first
+        if first.used_bytes <= self.settings.high_watermark * first.capacity_bytes:
+            return 0
+        target = first.used_bytes - int(self.settings.low_watermark * first.capacity_bytes)
+        return self._evict_first(target)
+
+    def _wake_if_above_watermark(self) -> None:
+        if self._first.used_bytes > self.settings.high_watermark * self._first.capacity_bytes:
+            self._wake.set()
+
+    def _evict_first(self, nbytes: int) -> int:
+        """Evict least recently used unpinned chunks worth ``nbytes``; returns how many."""
+        victims: list[tuple[ChunkKey, Slot]] = []
+        with self._lock:
+            freed = 0
+            for key, entry in self._entries.items():
+                if freed >= nbytes:
+                    break
+                if entry.ready and entry.pins == 0 and not entry.doomed:
+                    victims.append((key, entry.slot))
+                    freed += entry.slot.length
+            for key, _ in victims:
+                del self._entries[key]
+                self._detached.add(key)
+        for key, slot in victims:
+            self._demote(key, self._first.view(slot), below=0)
+        with self._lock:
+            for key, _ in victims:
+                self._detached.discard(key)
+                self._first.delete(key)
+        self.metrics.evictions.labels(tier=self._first.name).inc(len(victims))
+        return len(victims)
+
+    def _demote(self, key: ChunkKey, data: memoryview, below: int) -> None:
+        """Give an evicted chunk to the first lower tier (after ``below``) that takes it."""
+        for i, lw in enumerate(self._lower[below:], start=below + 1):
+            if key in lw.index:
+                return  # already there (written through, or promoted from there)
+            if not lw.policy.accept_demotions:
+                continue
+            if self._put_lower(i, key, data):
+                self.metrics.demotions.labels(tier=lw.tier.name).inc()
+                return
+
+    def _put_lower(self, position: int, key: ChunkKey, data: Buffer) -> bool:
+        """Put into lower tier ``position`` (1-based in ``tiers``), evicting its LRU if full."""
+        lw = self._lower[position - 1]
+        while True:
+            try:
+                if lw.tier.put(key, data):
+                    with self._lock:
+                        lw.index[key] = len(data)
+                    self.metrics.bytes_written.labels(tier=lw.tier.name).inc(len(data))
+                    return True
+            except TierError as e:
+                self._tier_failed(lw.tier, e)
+                return False
+            if not self._evict_lower(position):
+                return False
+
+    def _evict_lower(self, position: int) -> bool:
+        """Evict the least recently used chunk of a lower tier, demoting it further down."""
+        lw = self._lower[position - 1]
+        with self._lock:
+            if not lw.index:
+                return False
+            key, size = lw.index.popitem(last=False)
+        try:
+            if any(x.policy.accept_demotions for x in self._lower[position:]):
+                data = bytearray(size)
+                if lw.tier.read_into(key, memoryview(data)):
+                    self._demote(key, memoryview(data), below=position)
+            lw.tier.delete(key)
+        except TierError as e:
+            self._tier_failed(lw.tier, e)
+        self.metrics.evictions.labels(tier=lw.tier.name).inc()
+        return True
+
+    # -- write-through ---------------------------------------------------------------------
+
+    def flush(self, timeout_s: float = 30.0) -> bool:
+        """Wait until every queued write-through copy is done; False on timeout."""
+        return self._write_through.flush(timeout_s)
+
+    def _copy_through(self, keys: list[ChunkKey]) -> None:
+        """Copy committed chunks to every write-through tier (runs on the background thread)."""
+        with self._lock:
+            pinned = [k for k in keys if (e := self._entries.get(k)) and e.ready and not e.doomed]
+            for key in pinned:
+                self._entries[key].pins += 1
+            slots = {k: self._entries[k].slot for k in pinned}
+        try:
+            for position, lw in enumerate(self._lower, start=1):
+                if lw.policy.write_through:
+                    self._copy_to(position, lw, [(k, self._first.view(slots[k])) for k in pinned])
+        finally:
+            with self._lock:
+                for key in pinned:
+                    self._unpin(key)
+
+    def _copy_to(self, position: int, lw: _Lower, items: list[tuple[ChunkKey, memoryview]]) -> None:
+        with self._lock:
+            items = [(k, v) for k, v in items if k not in lw.index]
+        try:
+            results = lw.tier.put_many(items)
+        except TierError as e:
+            self._tier_failed(lw.tier, e)
+            return
+        for (key, view), stored in zip(items, results):
+            if stored:
+                with self._lock:
+                    lw.index[key] = len(view)
+                self.metrics.bytes_written.labels(tier=lw.tier.name).inc(len(view))
+            else:
+                self._put_lower(position, key, view)
+
+    # -- expiry ----------------------------------------------------------------------------
+
+    def reap_expired(self, now: float | None = None) -> int:
+        """Release leases and reservations past their deadline; returns how many."""
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            lease_ids = [i for i, lease in self._leases.items() if lease.deadline <= now]
+            stale = [k for k, e in self._entries.items()
+                     if not e.ready and e.pins == 0 and e.deadline <= now]
+        for lease_id in lease_ids:
+            self.release_load(lease_id)
+        num_stale = self._abort_keys(stale)
+        self.metrics.expired.labels(what="lease").inc(len(lease_ids))
+        self.metrics.expired.labels(what="reservation").inc(num_stale)
+        return len(lease_ids) + num_stale
+
+    # -- helpers ---------------------------------------------------------------------------
+
+    def _free(self, key: ChunkKey) -> None:
+        """Drop a first-tier entry and its slot (caller holds the lock)."""
+        del self._entries[key]
+        self._first.delete(key)
+
+    def _ttl(self, ttl_s: float | None, default: float) -> float:
+        if ttl_s is None or ttl_s == 0:
+            return default
+        if not 0 < ttl_s <= self.settings.max_lease_ttl_s:
+            raise InvalidArgument(
+                f"ttl must be in (0, {self.settings.max_lease_ttl_s}] seconds, got {ttl_s}"
+            )
+        return ttl_s
+
+    def _update_pending(self) -> None:
+        self.metrics.pending_stores.set(self.num_pending_stores())
+
+    def num_pending_stores(self) -> int:
+        with self._lock:
+            return sum(1 for e in self._entries.values() if not e.ready)
+
+    def _tier_failed(self, tier: Tier, error: TierError) -> None:
+        log.warning("tier %s failed: %s", tier.name, error)
+        self.metrics.errors.labels(kind=error.kind).inc()
+
+    def stats(self) -> CacheStats:
+        with self._lock:
+            num_leases, num_ns = len(self._leases), len(self._namespaces)
+        return CacheStats(
+            tiers=[t.stats() for t in self.tiers],
+            active_leases=num_leases,
+            pending_stores=self.num_pending_stores(),
+            num_namespaces=num_ns,
+        )

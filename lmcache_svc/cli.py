@@ -1,0 +1,117 @@
+"""The ``lmcache-svc`` command: ``serve`` runs the server, ``stats`` asks a running one."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from lmcache_svc.errors import ConfigError, LMCacheSvcError
+
+# flag -> dotted config key
+_SERVE_FLAGS: dict[str, tuple[str, str]] = {
+    "--host": ("host", "address of the TCP listeners (default 127.0.0.1)"),
+    "--http-port": ("http_port", "REST port (0 = any free port)"),
+    "--grpc-port": ("grpc_port", "gRPC TCP port (0 = any free port)"),
+    "--socket": ("socket", "gRPC Unix socket path"),
+    "--cpu-bytes": ("cpu.capacity", "size of the shared-memory arena, e.g. 4GiB"),
+    "--shm-name": ("cpu.shm_name", "name of the segment under /dev/shm"),
+    "--prefault": ("cpu.prefault", "off | background | sync"),
+    "--ssd-path": ("ssd.path", "directory of the SSD tier (enables it)"),
+    "--ssd-bytes": ("ssd.capacity", "capacity of the SSD tier, e.g. 100GiB"),
+    "--redis-url": ("redis.url", "Redis URL (enables the Redis tier)"),
+    "--redis-bytes": ("redis.capacity", "capacity of the Redis tier"),
+    "--log-level": ("log_level", "debug | info | warning | error"),
+    "--ready-file": ("ready_file", "write a JSON line with the bound addresses here when ready"),
+}
+_SERVE_SWITCHES: dict[str, tuple[str, Any, str]] = {
+    "--no-http": ("http_port", None, "no REST listener"),
+    "--no-grpc-tcp": ("grpc_port", None, "gRPC on the Unix socket only"),
+    "--no-socket": ("socket", None, "gRPC on TCP only"),
+    "--redis-cluster": ("redis.cluster", True, "the Redis URL points at a Redis Cluster"),
+}
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="lmcache-svc", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    serve = sub.add_parser("serve", help="run the cache server")
+    serve.add_argument("--config", help="YAML or TOML config file (env: LMCACHE_SVC_CONFIG)")
+    for flag, (_, text) in _SERVE_FLAGS.items():
+        serve.add_argument(flag, help=text)
+    for flag, (_, _, text) in _SERVE_SWITCHES.items():
+        serve.add_argument(flag, action="store_true", help=text)
+    stats = sub.add_parser("stats", help="print the tiers' state of a running server")
+    stats.add_argument("--url", help="server address: socket path or host:port "
+                       "(default: the default socket path)")
+    stats.add_argument("--json", action="store_true", help="print JSON")
+    stats.add_argument("--timeout", type=float, default=5.0)
+    return parser
+
+
+def _overrides(args: argparse.Namespace) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for flag, (key, _) in _SERVE_FLAGS.items():
+        value = getattr(args, flag[2:].replace("-", "_"))
+        if value is not None:
+            out[key] = value
+    for flag, (key, value, _) in _SERVE_SWITCHES.items():
+        if getattr(args, flag[2:].replace("-", "_")):
+            out[key] = value
+    return out
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import os
+
+    from lmcache_svc.config import load_config
+    from lmcache_svc.server.app import serve
+
+    path = args.config or os.environ.get("LMCACHE_SVC_CONFIG")
+    config = load_config(path, overrides=_overrides(args))
+    serve(config)
+    return 0
+
+
+def _stats(args: argparse.Namespace) -> int:
+    from lmcache_svc.client import CacheClient, default_address
+
+    with CacheClient(args.url or default_address(), timeout_s=args.timeout, use_shm=False) as c:
+        stats = c.stats()
+    if args.json:
+        print(json.dumps(stats, indent=2))
+        return 0
+    print(f"lmcache-svc {stats['version']}: {stats['active_leases']} leases, "
+          f"{stats['pending_stores']} pending stores, {stats['num_namespaces']} namespaces")
+    print(f"{'tier':<8} {'used':>12} {'capacity':>12} {'use':>6} {'chunks':>9}")
+    for t in stats["tiers"]:
+        use = t["used_bytes"] / t["capacity_bytes"] if t["capacity_bytes"] else 0.0
+        print(f"{t['name']:<8} {_size(t['used_bytes']):>12} {_size(t['capacity_bytes']):>12} "
+              f"{use:>6.1%} {t['num_chunks']:>9}")
+    return 0
+
+
+def _size(n: int) -> str:
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if value < 1024 or unit == "TiB":
+            return f"{value:.1f} {unit}" if unit != "B" else f"{int(value)} B"
+        value /= 1024
+    return f"{n} B"
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        return _serve(args) if args.command == "serve" else _stats(args)
+    except ConfigError as e:
+        print(f"lmcache-svc: {e}", file=sys.stderr)
+        return 2
+    except LMCacheSvcError as e:
+        print(f"lmcache-svc: {e.kind}: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,529 @@
+"""Python clients of the cache server: ``CacheClient`` (blocking) and ``AsyncCacheClient``.
+
+Both speak gRPC over a Unix socket (``/path/x.sock`` or ``unix:/path/x.sock``) or TCP
+(``host:port``). On the same host the blocking client maps the server's shared segment and
+moves bulk bytes in place: ``prepare_store`` hands out writable views of reserved slots,
+``prepare_load`` views of leased slots; only offsets cross gRPC. Elsewhere ``store``/``load``
+fall back to inline streams (``Put``/``Get``).
+
+Faults: every call has a deadline; an unreachable or slow server raises ``ServerUnavailable``.
+gRPC channels reconnect by themselves; after a server restart the client re-registers its
+namespaces and opens a new session on the next call that needs one. Needs only grpcio,
+protobuf and numpy (no server extras).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import grpc
+
+from lmcache_svc import errors
+from lmcache_svc.arena import ArenaMapping
+from lmcache_svc.defaults import default_socket_path
+from lmcache_svc.keys import Namespace, NamespaceId
+from lmcache_svc.v1 import cache_pb2 as pb
+from lmcache_svc.v1 import cache_pb2_grpc as pb_grpc
+from lmcache_svc.wire import (
+    ERROR_KIND_KEY,
+    PIECE_BYTES,
+    channel_options,
+    error_from_kind,
+    namespace_to_pb,
+)
+
+StoreStatus = Literal["reserved", "already_stored", "no_space", "in_progress"]
+_STATUS_NAMES: dict[int, StoreStatus] = {
+    pb.RESERVED: "reserved",
+    pb.ALREADY_STORED: "already_stored",
+    pb.NO_SPACE: "no_space",
+    pb.IN_PROGRESS: "in_progress",
+}
+_UNAVAILABLE = {
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.DEADLINE_EXCEEDED,
+    grpc.StatusCode.CANCELLED,
+}
+_RECONNECT_OPTIONS = [
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+]
+
+
+@dataclass(frozen=True, slots=True)
+class LookupResult:
+    num_hit_chunks: int
+    tiers: list[str]
+
+
+@dataclass(frozen=True, slots=True)
+class StoreSlot:
+    """A chunk's answer to ``prepare_store``: write ``buffer`` when status is 'reserved'."""
+
+    chunk_hash: bytes
+    status: StoreStatus
+    buffer: memoryview | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class LoadLease:
+    """Views of the leased prefix's bytes in the shared segment, valid until released."""
+
+    lease_id: str | None
+    buffers: list[memoryview] = field(default_factory=list)
+
+
+def default_address() -> str:
+    return str(default_socket_path())
+
+
+def grpc_target(address: str) -> str:
+    """``/p.sock`` or ``unix:/p.sock`` -> ``unix:/p.sock``; ``host:port`` unchanged."""
+    if address.startswith(("unix:", "unix-abstract:")):
+        return address
+    if address.startswith(("/", "./")) or address.endswith(".sock"):
+        return f"unix:{address}"
+    if ":" not in address:
+        raise errors.InvalidArgument(
+            f"server address {address!r} is neither a socket path nor host:port"
+        )
+    return address
+
+
+def convert_rpc_error(error: grpc.RpcError) -> errors.LMCacheSvcError:
+    """The project's exception for a failed call (the server sends the error kind)."""
+    code = error.code() if isinstance(error, grpc.Call) else grpc.StatusCode.UNKNOWN
+    details = (error.details() if isinstance(error, grpc.Call) else None) or str(error)
+    trailing = error.trailing_metadata() if isinstance(error, grpc.Call) else None
+    kind = dict(trailing or ()).get(ERROR_KIND_KEY)
+    if kind:
+        return error_from_kind(str(kind), details)
+    if code in _UNAVAILABLE:
+        return errors.ServerUnavailable(f"lmcache-svc server unavailable ({code.name}): {details}")
+    if code == grpc.StatusCode.UNAUTHENTICATED:
+        return errors.Unauthenticated(details)
+    return errors.LMCacheSvcError(f"{code.name}: {details}")
+
+
+# -- request shaping shared by both clients ---------------------------------------------------
+
+
+def _put_parts(namespace_id: bytes, items: Sequence[tuple[bytes, Any]]) -> Iterator[pb.ChunkPart]:
+    for chunk_hash, data in items:
+        view = memoryview(data).cast("B")
+        yield pb.ChunkPart(header=pb.ChunkHeader(
+            namespace_id=namespace_id, chunk_hash=chunk_hash, length=len(view)))
+        for i in range(0, len(view), PIECE_BYTES):
+            yield pb.ChunkPart(data=bytes(view[i : i + PIECE_BYTES]))
+
+
+class _GetAssembler:
+    """Reassembles a Get stream into one ``bytes | None`` per requested chunk."""
+
+    def __init__(self) -> None:
+        self.chunks: list[bytes | None] = []
+        self._pieces: list[bytes] = []
+        self._open = False
+
+    def feed(self, part: pb.ChunkPart) -> None:
+        if part.HasField("header"):
+            self._close()
+            if part.header.found:
+                self._open = True
+            else:
+                self.chunks.append(None)
+        else:
+            self._pieces.append(part.data)
+
+    def _close(self) -> None:
+        if self._open:
+            self.chunks.append(b"".join(self._pieces))
+            self._pieces, self._open = [], False
+
+    def result(self) -> list[bytes | None]:
+        self._close()
+        return self.chunks
+
+
+def _stats_dict(resp: pb.StatsResponse) -> dict[str, Any]:
+    return {
+        "version": resp.version,
+        "active_leases": resp.active_leases,
+        "pending_stores": resp.pending_stores,
+        "num_namespaces": resp.num_namespaces,
+        "tiers": [
+            {"name": t.name, "capacity_bytes": t.capacity_bytes, "used_bytes": t.used_bytes,
+             "num_chunks": t.num_chunks}
+            for t in resp.tiers
+        ],
+    }
+
+
+class _Session:
+    """An open session stream and the mapped segment; dead once the stream ends."""
+
+    def __init__(self, stream: Any, event: pb.SessionEvent) -> None:
+        self.session_id = event.session_id
+        self.mapping: ArenaMapping | None = None
+        for seg in event.segments:
+            if seg.transport == "shm":
+                self.mapping = ArenaMapping.open(seg.name, seg.size, seg.nonce)
+                self.segment_name = seg.name
+        self._stream = stream
+        self.alive = True
+        threading.Thread(target=self._watch, name="lmcache-svc-session", daemon=True).start()
+
+    def _watch(self) -> None:
+        try:
+            for _ in self._stream:
+                pass
+        except grpc.RpcError:
+            pass
+        self.alive = False
+
+    def close(self) -> None:
+        self.alive = False
+        self._stream.cancel()
+
+
+class CacheClient:
+    """Blocking client; thread-safe. Use as a context manager or call ``close()``."""
+
+    def __init__(
+        self,
+        address: str,
+        *,
+        timeout_s: float = 5.0,
+        client_name: str = "",
+        use_shm: bool = True,
+        auth_token: str | None = None,
+    ) -> None:
+        self._target = grpc_target(address)
+        self.timeout_s = timeout_s
+        self._client_name = client_name
+        self._use_shm = use_shm
+        self._metadata = (("authorization", f"Bearer {auth_token}"),) if auth_token else ()
+        self._channel = grpc.insecure_channel(
+            self._target, options=channel_options() + _RECONNECT_OPTIONS
+        )
+        self._stub = pb_grpc.CacheServiceStub(self._channel)
+        self._namespaces: dict[bytes, Namespace] = {}
+        self._session: _Session | None = None
+        self._lock = threading.Lock()
+
+    def __enter__(self) -> CacheClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        with self._lock:
+            if self._session is not None:
+                self._session.close()
+                self._session = None
+        self._channel.close()
+
+    # -- plumbing ------------------------------------------------------------------------
+
+    def _call(self, method: str, request: Any, timeout_s: float | None = None) -> Any:
+        try:
+            return getattr(self._stub, method)(
+                request, timeout=timeout_s or self.timeout_s, metadata=self._metadata
+            )
+        except grpc.RpcError as e:
+            raise convert_rpc_error(e) from None
+
+    def _ns_call(self, method: str, request: Any, timeout_s: float | None = None) -> Any:
+        """A call on a namespace; re-registers it once if the server forgot it (restart)."""
+        try:
+            return self._call(method, request, timeout_s)
+        except errors.UnknownNamespace:
+            ns = self._namespaces.get(bytes(request.namespace_id))
+            if ns is None:
+                raise
+            self.register_namespace(ns)
+            return self._call(method, request, timeout_s)
+
+    def _session_call(self, method: str, make_request: Any) -> tuple[_Session, Any]:
+        """A call that needs a live session; opens a new one once if the old one is gone."""
+        for attempt in (0, 1):
+            session = self._live_session()
+            try:
+                return session, self._ns_call(method, make_request(session.session_id))
+            except errors.UnknownSession:
+                with self._lock:
+                    if self._session is session:
+                        self._session = None
+                if attempt:
+                    raise
+        raise AssertionError("unreachable")
+
+    def _live_session(self) -> _Session:
+        with self._lock:
+            if self._session is not None and self._session.alive:
+                return self._session
+            stream = self._stub.OpenSession(
+                pb.OpenSessionRequest(client_name=self._client_name), metadata=self._metadata
+            )
+            try:
+                event = _first_event(stream, self.timeout_s)
+            except grpc.RpcError as e:
+                stream.cancel()
+                raise convert_rpc_error(e) from None
+            self._session = _Session(stream, event)
+            return self._session
+
+    @property
+    def shm_available(self) -> bool:
+        """True when the server's segment is mapped here (same host); opens a session."""
+        if not self._use_shm:
+            return False
+        try:
+            return self._live_session().mapping is not None
+        except errors.ServerUnavailable:
+            return False
+
+    # -- namespaces and lookup -----------------------------------------------------------
+
+    def register_namespace(self, namespace: Namespace) -> NamespaceId:
+        resp = self._call("RegisterNamespace",
+                          pb.RegisterNamespaceRequest(namespace=namespace_to_pb(namespace)))
+        self._namespaces[bytes(resp.namespace_id)] = namespace
+        return NamespaceId(bytes(resp.namespace_id))
+
+    def lookup(
+        self, namespace_id: bytes, chunk_hashes: Sequence[bytes], *, timeout_s: float | None = None
+    ) -> LookupResult:
+        resp = self._ns_call("Lookup", pb.LookupRequest(
+            namespace_id=namespace_id, chunk_hashes=chunk_hashes), timeout_s)
+        return LookupResult(resp.num_hit_chunks, list(resp.tiers))
+
+    # -- shared-memory path --------------------------------------------------------------
+
+    def prepare_store(self, namespace_id: bytes, chunk_hashes: Sequence[bytes]) -> list[StoreSlot]:
+        """Reserve slots; write each 'reserved' buffer, then ``commit_store`` those hashes."""
+        session, resp = self._session_call("PrepareStore", lambda sid: pb.PrepareStoreRequest(
+            namespace_id=namespace_id, chunk_hashes=chunk_hashes, session_id=sid))
+        mapping = self._mapping_for(session, resp.segment_name)
+        return [
+            StoreSlot(s.chunk_hash, _STATUS_NAMES[s.status],
+                      mapping.view(s.offset, s.length) if s.status == pb.RESERVED else None)
+            for s in resp.slots
+        ]
+
+    def commit_store(
+        self, namespace_id: bytes, chunk_hashes: Sequence[bytes], *, abort: bool = False
+    ) -> int:
+        session = self._live_session()
+        resp = self._ns_call("CommitStore", pb.CommitStoreRequest(
+            namespace_id=namespace_id, chunk_hashes=chunk_hashes,
+            session_id=session.session_id, abort=abort))
+        return int(resp.num_committed)
+
+    def prepare_load(self, namespace_id: bytes, chunk_hashes: Sequence[bytes]) -> LoadLease:
+        """Lease the longest available prefix; read the buffers, then ``release_load``."""
+        session, resp = self._session_call("PrepareLoad", lambda sid: pb.PrepareLoadRequest(
+            namespace_id=namespace_id, chunk_hashes=chunk_hashes, session_id=sid))
+        if not resp.lease_id:
+            return LoadLease(None)
+        mapping = self._mapping_for(session, resp.segment_name)
+        return LoadLease(resp.lease_id, [mapping.view(s.offset, s.length) for s in resp.slots])
+
+    def release_load(self, lease: LoadLease) -> bool:
+        if lease.lease_id is None:
+            return False
+        return bool(self._call("ReleaseLoad", pb.ReleaseLoadRequest(lease_id=lease.lease_id)).released)
+
+    def _mapping_for(self, session: _Session, segment_name: str) -> ArenaMapping:
+        if session.mapping is None:
+            raise errors.InvalidArgument(
+                "the server's shared segment is not mapped here (another host?); use put/get"
+            )
+        if segment_name != session.segment_name:
+            with self._lock:
+                self._session = None
+            raise errors.ServerUnavailable("the server restarted during the call; try again")
+        return session.mapping
+
+    # -- convenience and inline transfers ------------------------------------------------
+
+    def store(self, namespace_id: bytes, chunk_hashes: Sequence[bytes], buffers: Sequence[Any]) -> int:
+        """Store chunks (shared memory when available, else inline); returns chunks now stored."""
+        if not self.shm_available:
+            return self.put(namespace_id, list(zip(chunk_hashes, buffers)))
+        slots = self.prepare_store(namespace_id, chunk_hashes)
+        reserved = [s.chunk_hash for s in slots if s.status == "reserved"]
+        try:
+            for slot, data in zip(slots, buffers):
+                if slot.buffer is not None:
+                    slot.buffer[:] = memoryview(data).cast("B")
+        except BaseException:
+            self.commit_store(namespace_id, reserved, abort=True)
+            raise
+        committed = self.commit_store(namespace_id, reserved)
+        return committed + sum(s.status == "already_stored" for s in slots)
+
+    def load(self, namespace_id: bytes, chunk_hashes: Sequence[bytes]) -> list[bytes]:
+        """Bytes of the longest available prefix (shared memory when available, else inline)."""
+        if not self.shm_available:
+            out: list[bytes] = []
+            for data in self.get(namespace_id, chunk_hashes):
+                if data is None:
+                    break
+                out.append(data)
+            return out
+        lease = self.prepare_load(namespace_id, chunk_hashes)
+        try:
+            return [bytes(b) for b in lease.buffers]
+        finally:
+            self.release_load(lease)
+
+    def put(self, namespace_id: bytes, items: Sequence[tuple[bytes, Any]]) -> int:
+        """Inline store (streamed); returns the chunks stored (or already stored)."""
+        try:
+            resp = self._stub.Put(_put_parts(namespace_id, items), timeout=self._bulk_timeout(items),
+                                  metadata=self._metadata)
+        except grpc.RpcError as e:
+            raise convert_rpc_error(e) from None
+        return int(resp.num_stored)
+
+    def get(self, namespace_id: bytes, chunk_hashes: Sequence[bytes]) -> list[bytes | None]:
+        """Inline load (streamed); None for each chunk not found."""
+        assembler = _GetAssembler()
+        try:
+            for part in self._stub.Get(pb.GetRequest(namespace_id=namespace_id,
+                                                      chunk_hashes=chunk_hashes),
+                                       timeout=self.timeout_s * max(1, len(chunk_hashes)),
+                                       metadata=self._metadata):
+                assembler.feed(part)
+        except grpc.RpcError as e:
+            raise convert_rpc_error(e) from None
+        return assembler.result()
+
+    def _bulk_timeout(self, items: Sequence[Any]) -> float:
+        return self.timeout_s * max(1, len(items))
+
+    def delete(self, namespace_id: bytes, chunk_hashes: Sequence[bytes]) -> int:
+        resp = self._ns_call("Delete", pb.DeleteRequest(namespace_id=namespace_id,
+                                                         chunk_hashes=chunk_hashes))
+        return int(resp.num_deleted)
+
+    def stats(self) -> dict[str, Any]:
+        return _stats_dict(self._call("Stats", pb.StatsRequest()))
+
+    def wait_ready(self, timeout_s: float = 10.0) -> None:
+        """Block until the server answers (raises ServerUnavailable after ``timeout_s``)."""
+        try:
+            grpc.channel_ready_future(self._channel).result(timeout=timeout_s)
+        except grpc.FutureTimeoutError:
+            raise errors.ServerUnavailable(
+                f"no lmcache-svc server answered at {self._target} within {timeout_s} s"
+            ) from None
+
+
+def _first_event(stream: Any, timeout_s: float) -> pb.SessionEvent:
+    """The session's first event, or ServerUnavailable if it does not come in time."""
+    result: list[Any] = []
+    done = threading.Event()
+
+    def read() -> None:
+        try:
+            result.append(next(stream))
+        except BaseException as e:  # handed to the caller below
+            result.append(e)
+        done.set()
+
+    threading.Thread(target=read, daemon=True).start()
+    if not done.wait(timeout_s):
+        stream.cancel()
+        raise errors.ServerUnavailable(f"no session from the server within {timeout_s} s")
+    if isinstance(result[0], grpc.RpcError):
+        raise result[0]
+    if isinstance(result[0], BaseException):
+        raise errors.ServerUnavailable(f"session stream ended: {result[0]!r}")
+    return result[0]
+
+
+class AsyncCacheClient:
+    """asyncio client over inline transfers (for tools and remote callers)."""
+
+    def __init__(self, address: str, *, timeout_s: float = 5.0, auth_token: str | None = None) -> None:
+        self._target = grpc_target(address)
+        self.timeout_s = timeout_s
+        self._metadata = (("authorization", f"Bearer {auth_token}"),) if auth_token else ()
+        self._channel = grpc.aio.insecure_channel(
+            self._target, options=channel_options() + _RECONNECT_OPTIONS
+        )
+        self._stub = pb_grpc.CacheServiceStub(self._channel)
+        self._namespaces: dict[bytes, Namespace] = {}
+
+    async def __aenter__(self) -> AsyncCacheClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def _call(self, method: str, request: Any) -> Any:
+        try:
+            return await getattr(self._stub, method)(
+                request, timeout=self.timeout_s, metadata=self._metadata)
+        except grpc.RpcError as e:
+            raise convert_rpc_error(e) from None
+
+    async def _ns_call(self, method: str, request: Any) -> Any:
+        try:
+            return await self._call(method, request)
+        except errors.UnknownNamespace:
+            ns = self._namespaces.get(bytes(request.namespace_id))
+            if ns is None:
+                raise
+            await self.register_namespace(ns)
+            return await self._call(method, request)
+
+    async def register_namespace(self, namespace: Namespace) -> NamespaceId:
+        resp = await self._call("RegisterNamespace",
+                                pb.RegisterNamespaceRequest(namespace=namespace_to_pb(namespace)))
+        self._namespaces[bytes(resp.namespace_id)] = namespace
+        return NamespaceId(bytes(resp.namespace_id))
+
+    async def lookup(self, namespace_id: bytes, chunk_hashes: Sequence[bytes]) -> LookupResult:
+        resp = await self._ns_call("Lookup", pb.LookupRequest(
+            namespace_id=namespace_id, chunk_hashes=chunk_hashes))
+        return LookupResult(resp.num_hit_chunks, list(resp.tiers))
+
+    async def put(self, namespace_id: bytes, items: Sequence[tuple[bytes, Any]]) -> int:
+        try:
+            resp = await self._stub.Put(_put_parts(namespace_id, items),
+                                        timeout=self.timeout_s * max(1, len(items)),
+                                        metadata=self._metadata)
+        except grpc.RpcError as e:
+            raise convert_rpc_error(e) from None
+        return int(resp.num_stored)
+
+    async def get(self, namespace_id: bytes, chunk_hashes: Sequence[bytes]) -> list[bytes | None]:
+        assembler = _GetAssembler()
+        try:
+            call = self._stub.Get(pb.GetRequest(namespace_id=namespace_id, chunk_hashes=chunk_hashes),
+                                  timeout=self.timeout_s * max(1, len(chunk_hashes)),
+                                  metadata=self._metadata)
+            async for part in call:
+                assembler.feed(part)
+        except grpc.RpcError as e:
+            raise convert_rpc_error(e) from None
+        return assembler.result()
+
+    async def delete(self, namespace_id: bytes, chunk_hashes: Sequence[bytes]) -> int:
+        resp = await self._ns_call("Delete", pb.DeleteRequest(
+            namespace_id=namespace_id, chunk_hashes=chunk_hashes))
+        return int(resp.num_deleted)
+
+    async def stats(self) -> dict[str, Any]:
+        return _stats_dict(await self._call("Stats", pb.StatsRequest()))

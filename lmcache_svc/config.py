@@ -1,0 +1,198 @@
+"""The server's configuration: one typed object, validated once at start-up.
+
+Sources, later ones winning: embedded defaults < a YAML or TOML file (``--config``) <
+``LMCACHE_SVC_*`` environment variables (``__`` separates sections, e.g.
+``LMCACHE_SVC_CPU__CAPACITY=4GiB``) < command-line flags. Every field is documented in
+``docs/configuration.md``. Errors name the field and what was wrong with it.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import tomllib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ByteSize, ConfigDict, Field, ValidationError, model_validator
+
+from lmcache_svc.defaults import default_socket_path
+from lmcache_svc.errors import ConfigError
+
+ENV_PREFIX = "LMCACHE_SVC_"
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class CpuConfig(_Section):
+    capacity: ByteSize = Field(ByteSize(1 << 30), gt=0)
+    """Size of the shared-memory arena (the first tier)."""
+    slab: ByteSize = Field(ByteSize(64 << 20), ge=4096)
+    """Slab size of the allocator; chunks larger than a slab take a run of slabs."""
+    shm_name: str | None = None
+    """Name under /dev/shm; default: lmcache-svc-<pid>-<random>."""
+    shm_mode: int = Field(0o600, ge=0, le=0o777)
+    """Permissions of the segment: 0o600 = only the server's user may map it."""
+    prefault: Literal["off", "background", "sync"] = "background"
+
+
+class SsdConfig(_Section):
+    path: Path | None = None
+    """Directory of the SSD tier; no SSD tier when unset."""
+    capacity: ByteSize = Field(ByteSize(16 << 30), gt=0)
+    fsync: Literal["never", "always"] = "never"
+    o_direct: bool = False
+    accept_demotions: bool = True
+    write_through: bool = False
+
+
+class RedisConfig(_Section):
+    url: str | None = None
+    """redis://, rediss:// or unix:// URL; no Redis tier when unset."""
+    cluster: bool = False
+    capacity: ByteSize = Field(ByteSize(8 << 30), gt=0)
+    ttl_s: float | None = Field(None, gt=0)
+    connections: int = Field(4, ge=1, le=64)
+    key_prefix: str = "lmcache-svc:v1:"
+    timeout_s: float = Field(2.0, gt=0, le=60)
+    accept_demotions: bool = True
+    write_through: bool = True
+
+    @model_validator(mode="after")
+    def _check_url(self) -> RedisConfig:
+        if self.url is not None and not self.url.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError(f"url must start with redis://, rediss:// or unix://, got {self.url!r}")
+        return self
+
+
+class CacheConfig(_Section):
+    high_watermark: float = Field(0.95, gt=0, le=1)
+    low_watermark: float = Field(0.85, gt=0, le=1)
+    lease_ttl_s: float = Field(30.0, gt=0)
+    max_lease_ttl_s: float = Field(600.0, gt=0)
+    reservation_ttl_s: float = Field(30.0, gt=0)
+    max_chunks_per_request: int = Field(8192, ge=1)
+
+    @model_validator(mode="after")
+    def _check_watermarks(self) -> CacheConfig:
+        if self.low_watermark >= self.high_watermark:
+            raise ValueError(
+                f"low_watermark ({self.low_watermark}) must be below high_watermark "
+                f"({self.high_watermark})"
+            )
+        return self
+
+
+class Config(_Section):
+    host: str = "127.0.0.1"
+    """Address of the TCP listeners (gRPC and HTTP). Not loopback requires auth_token."""
+    http_port: int | None = Field(8080, ge=0, le=65535)
+    """REST port; 0 = any free port; null = no REST listener."""
+    grpc_port: int | None = Field(50051, ge=0, le=65535)
+    """gRPC TCP port; 0 = any free port; null = Unix socket only."""
+    socket: Path | None = Field(default_factory=default_socket_path)
+    """gRPC Unix socket path; null = TCP only."""
+    auth_token: str | None = None
+    """Bearer token required on every call (except health checks) when set."""
+    allow_unauthenticated: bool = False
+    """Allow a non-loopback host without auth_token (not recommended)."""
+    max_body_bytes: ByteSize = Field(ByteSize(256 << 20), gt=0)
+    """Largest inline chunk body accepted over REST or gRPC."""
+    grpc_workers: int = Field(16, ge=1, le=256)
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    ready_file: Path | None = None
+    """Where to write a JSON line with the bound addresses once serving (for supervisors)."""
+    cpu: CpuConfig = Field(default_factory=CpuConfig)
+    ssd: SsdConfig = Field(default_factory=SsdConfig)
+    redis: RedisConfig = Field(default_factory=RedisConfig)
+    cache: CacheConfig = Field(default_factory=CacheConfig)
+
+    @model_validator(mode="after")
+    def _check_exposure(self) -> Config:
+        if self.http_port is None and self.grpc_port is None and self.socket is None:
+            raise ValueError("no listener: set http_port, grpc_port or socket")
+        if self.auth_token is not None and len(self.auth_token) < 16:
+            raise ValueError("auth_token must be at least 16 characters")
+        if not _is_loopback(self.host) and self.auth_token is None and not self.allow_unauthenticated:
+            raise ValueError(
+                f"host {self.host!r} is reachable from other machines: set auth_token "
+                "(or allow_unauthenticated: true if a network policy protects the port)"
+            )
+        return self
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def load_config(
+    path: str | os.PathLike[str] | None = None,
+    *,
+    env: Mapping[str, str] | None = None,
+    overrides: Mapping[str, Any] | None = None,
+) -> Config:
+    """Merge file, environment and flag overrides (dotted keys) over the defaults."""
+    data: dict[str, Any] = read_config_file(path) if path is not None else {}
+    for dotted, value in _env_overrides(os.environ if env is None else env).items():
+        _set_dotted(data, dotted, value)
+    for dotted, value in (overrides or {}).items():
+        _set_dotted(data, dotted, value)
+    try:
+        return Config.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(format_validation_error(e)) from None
+
+
+def read_config_file(path: str | os.PathLike[str]) -> dict[str, Any]:
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except OSError as e:
+        raise ConfigError(f"cannot read config file {p}: {e.strerror}") from None
+    try:
+        data = tomllib.loads(text) if p.suffix == ".toml" else yaml.safe_load(text)
+    except (tomllib.TOMLDecodeError, yaml.YAMLError) as e:
+        raise ConfigError(f"config file {p} is not valid {p.suffix.lstrip('.') or 'YAML'}: {e}")
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {p} must hold a mapping at the top level")
+    return data
+
+
+def _env_overrides(env: Mapping[str, str]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for name, value in env.items():
+        if name.startswith(ENV_PREFIX) and name != ENV_PREFIX + "CONFIG":
+            dotted = name[len(ENV_PREFIX) :].lower().replace("__", ".")
+            out[dotted] = None if value.lower() in ("null", "none") else value
+    return out
+
+
+def _set_dotted(data: dict[str, Any], dotted: str, value: Any) -> None:
+    *parents, leaf = dotted.split(".")
+    node = data
+    for part in parents:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"cannot set {dotted}: {part} is not a section")
+        node = child
+    node[leaf] = value
+
+
+def format_validation_error(error: ValidationError) -> str:
+    lines = ["invalid configuration:"]
+    for item in error.errors():
+        where = ".".join(str(x) for x in item["loc"]) or "(top level)"
+        got = f" (got {item['input']!r})" if "input" in item and not isinstance(item["input"], dict) else ""
+        lines.append(f"  {where}: {item['msg']}{got}")
+    return "\n".join(lines)

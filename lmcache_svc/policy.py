@@ -1,0 +1,65 @@
+"""Plain values that configure and describe the tiered cache (no behaviour here)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from lmcache_svc.keys import ChunkHash
+from lmcache_svc.tiers.base import Slot, TierStats
+
+StoreStatus = Literal["reserved", "already_stored", "no_space", "in_progress"]
+
+
+@dataclass(frozen=True, slots=True)
+class TierPolicy:
+    """How the cache uses a lower tier (any tier after the first)."""
+
+    accept_demotions: bool = True
+    """Chunks evicted from the tiers above are moved here instead of being dropped."""
+    write_through: bool = False
+    """Every committed chunk is also copied here, in the background (off the hot path)."""
+
+
+@dataclass(frozen=True, slots=True)
+class CacheSettings:
+    high_watermark: float = 0.95
+    """Background eviction starts when the first tier's used bytes pass this fraction."""
+    low_watermark: float = 0.85
+    """... and stops when they are back under this fraction."""
+    lease_ttl_s: float = 30.0
+    max_lease_ttl_s: float = 600.0
+    reservation_ttl_s: float = 30.0
+    max_chunks_per_request: int = 8192
+    maintenance_interval_s: float = 0.05
+
+
+@dataclass(frozen=True, slots=True)
+class PreparedStore:
+    chunk_hash: ChunkHash
+    status: StoreStatus
+    slot: Slot | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class LookupResult:
+    num_hit_chunks: int
+    tiers: list[str]
+
+
+@dataclass(frozen=True, slots=True)
+class LoadLease:
+    """Chunks pinned in the first tier for reading; ``lease_id`` is None when none were."""
+
+    lease_id: str | None
+    slots: list[Slot] = field(default_factory=list)
+    source_tiers: list[str] = field(default_factory=list)
+    """Where each chunk was found before any promotion."""
+
+
+@dataclass(frozen=True, slots=True)
+class CacheStats:
+    tiers: list[TierStats]
+    active_leases: int
+    pending_stores: int
+    num_namespaces: int

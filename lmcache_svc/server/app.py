@@ -1,0 +1,194 @@
+"""The server process: builds the tiers from the config, serves gRPC and REST in one event
+loop, and shuts down cleanly on SIGTERM/SIGINT (stops accepting, finishes queued
+write-throughs, removes the shared-memory segment and the Unix socket)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import signal
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import uvicorn
+
+from lmcache_svc.arena import Arena
+from lmcache_svc.cache import TieredCache
+from lmcache_svc.config import Config
+from lmcache_svc.errors import ConfigError
+from lmcache_svc.metrics import Metrics
+from lmcache_svc.policy import CacheSettings, TierPolicy
+from lmcache_svc.server.grpc import build_grpc_server, set_serving
+from lmcache_svc.server.http import create_app
+from lmcache_svc.tiers.base import Tier
+from lmcache_svc.tiers.cpu import CpuTier
+
+log = logging.getLogger("lmcache_svc")
+
+
+def build_cache(config: Config) -> TieredCache:
+    """The tiers in order (CPU arena, then SSD and Redis when configured) and the policy."""
+    c = config.cpu
+    arena = Arena.create(
+        int(c.capacity), slab_bytes=int(c.slab), name=c.shm_name, mode=c.shm_mode,
+        prefault=c.prefault,
+    )
+    lower: list[tuple[Tier, TierPolicy]] = []
+    try:
+        if config.ssd.path is not None:
+            from lmcache_svc.tiers.ssd import SsdTier
+
+            s = config.ssd
+            tier = SsdTier(s.path, int(s.capacity), fsync=s.fsync, o_direct=s.o_direct)
+            lower.append((tier, TierPolicy(s.accept_demotions, s.write_through)))
+        if config.redis.url is not None:
+            from lmcache_svc.tiers.redis import RedisTier
+
+            r = config.redis
+            tier = RedisTier(
+                r.url, int(r.capacity), cluster=r.cluster, ttl_s=r.ttl_s,
+                num_connections=r.connections, key_prefix=r.key_prefix, timeout_s=r.timeout_s,
+            )
+            lower.append((tier, TierPolicy(r.accept_demotions, r.write_through)))
+    except BaseException:
+        arena.close()
+        for tier, _ in lower:
+            tier.close()
+        raise
+    k = config.cache
+    settings = CacheSettings(
+        high_watermark=k.high_watermark, low_watermark=k.low_watermark,
+        lease_ttl_s=k.lease_ttl_s, max_lease_ttl_s=k.max_lease_ttl_s,
+        reservation_ttl_s=k.reservation_ttl_s, max_chunks_per_request=k.max_chunks_per_request,
+    )
+    return TieredCache(CpuTier(arena), lower, settings=settings, metrics=Metrics())
+
+
+class _Uvicorn(uvicorn.Server):
+    """uvicorn without its own signal handling: the service owns SIGTERM/SIGINT."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+def _bind_tcp(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise ConfigError(f"cannot listen on {host}:{port} for HTTP: {e.strerror}") from None
+    sock.listen(512)
+    sock.set_inheritable(True)
+    return sock
+
+
+def _prepare_socket_path(path: Path) -> None:
+    """Create the socket's directory (0700) and remove a stale socket file."""
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    if not path.exists():
+        return
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.connect(str(path))
+    except OSError:
+        path.unlink()  # nobody listens: a leftover of a killed server
+        return
+    finally:
+        probe.close()
+    raise ConfigError(f"another server is already listening on {path}")
+
+
+class Service:
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self._stop = asyncio.Event()
+
+    def request_stop(self) -> None:
+        self._stop.set()
+
+    async def run(self) -> None:
+        cfg = self.config
+        cache = build_cache(cfg)
+        cache.start()
+        grpc_server, servicer, health = build_grpc_server(
+            cache, max_body_bytes=int(cfg.max_body_bytes), workers=cfg.grpc_workers,
+            auth_token=cfg.auth_token,
+        )
+        addresses: dict[str, Any] = {"shm": cache.segment().name, "pid": os.getpid()}
+        http: _Uvicorn | None = None
+        http_task: asyncio.Task[None] | None = None
+        try:
+            if cfg.socket is not None:
+                _prepare_socket_path(cfg.socket)
+                grpc_server.add_insecure_port(f"unix:{cfg.socket}")
+                addresses["socket"] = str(cfg.socket)
+            if cfg.grpc_port is not None:
+                port = grpc_server.add_insecure_port(_host_port(cfg.host, cfg.grpc_port))
+                if port == 0:
+                    raise ConfigError(f"cannot listen on {cfg.host}:{cfg.grpc_port} for gRPC")
+                addresses["grpc"] = _host_port(cfg.host, port)
+            await grpc_server.start()
+            if cfg.socket is not None:
+                os.chmod(cfg.socket, 0o600)
+            await set_serving(health, True)
+            if cfg.http_port is not None:
+                sock = _bind_tcp(cfg.host, cfg.http_port)
+                addresses["http"] = f"http://{_host_port(cfg.host, sock.getsockname()[1])}"
+                app = create_app(cache, auth_token=cfg.auth_token,
+                                 max_body_bytes=int(cfg.max_body_bytes))
+                http = _Uvicorn(uvicorn.Config(app, log_level="warning", access_log=False,
+                                               lifespan="off"))
+                http_task = asyncio.create_task(http.serve(sockets=[sock]))
+            self._announce(addresses)
+            await self._stop.wait()
+            log.info("stopping: draining requests and write-throughs")
+        finally:
+            await set_serving(health, False)
+            if http is not None and http_task is not None:
+                http.should_exit = True
+                await http_task
+            servicer.stop()
+            await grpc_server.stop(grace=5)
+            cache.close()
+            if cfg.socket is not None:
+                with contextlib.suppress(FileNotFoundError):
+                    cfg.socket.unlink()
+            log.info("stopped")
+
+    def _announce(self, addresses: dict[str, Any]) -> None:
+        line = json.dumps({"event": "ready", **addresses})
+        log.info("serving: %s", line)
+        print(line, flush=True)
+        if self.config.ready_file is not None:
+            tmp = self.config.ready_file.with_suffix(".tmp")
+            tmp.write_text(line + "\n")
+            tmp.replace(self.config.ready_file)
+
+
+def _host_port(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def serve(config: Config) -> None:
+    """Run the service until SIGTERM or SIGINT."""
+    logging.basicConfig(
+        level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+
+    async def main() -> None:
+        service = Service(config)
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, service.request_stop)
+        await service.run()
+
+    asyncio.run(main())

@@ -1,0 +1,326 @@
+"""The gRPC transport: a thin adapter from CacheService messages to ``TieredCache`` calls.
+
+Runs on grpc.aio. Calls that may block on a lower tier or copy bulk bytes run in a thread
+pool; a lookup answered from the local indices runs inline. Errors become a status code
+(``server/status.py``) plus the error kind in trailing metadata (``wire.ERROR_KIND_KEY``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from lmcache_svc import __version__
+from lmcache_svc.cache import TieredCache
+from lmcache_svc.errors import (
+    InvalidArgument,
+    LMCacheSvcError,
+    UnknownSession,
+    PayloadTooLarge,
+    SizeMismatch,
+)
+from lmcache_svc.keys import check_chunk_hash
+from lmcache_svc.server.auth import check_bearer
+from lmcache_svc.server.status import grpc_code
+from lmcache_svc.v1 import cache_pb2 as pb
+from lmcache_svc.v1 import cache_pb2_grpc as pb_grpc
+from lmcache_svc.wire import ERROR_KIND_KEY, PIECE_BYTES, channel_options, namespace_from_pb
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+SERVICE_NAME = "lmcache_svc.v1.CacheService"
+_STORE_STATUS = {
+    "reserved": pb.RESERVED,
+    "already_stored": pb.ALREADY_STORED,
+    "no_space": pb.NO_SPACE,
+    "in_progress": pb.IN_PROGRESS,
+}
+
+
+def _rpc(method: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
+    """Count and time a unary call; turn project errors into status codes."""
+    name = method.__name__
+
+    @functools.wraps(method)
+    async def wrapper(self: CacheServicer, request: Any, context: grpc.aio.ServicerContext) -> T:
+        start = time.perf_counter()
+        code = grpc.StatusCode.OK
+        try:
+            return await method(self, request, context)
+        except LMCacheSvcError as e:
+            code = grpc_code(e)
+            self._metrics.errors.labels(kind=e.kind).inc()
+            context.set_trailing_metadata(((ERROR_KIND_KEY, e.kind),))
+            await context.abort(code, str(e))
+            raise  # unreachable: abort raises
+        finally:
+            self._metrics.requests.labels(transport="grpc", method=name, code=code.name).inc()
+            self._metrics.request_latency.labels(transport="grpc", method=name).observe(
+                time.perf_counter() - start
+            )
+
+    return wrapper
+
+
+class CacheServicer(pb_grpc.CacheServiceServicer):
+    def __init__(self, cache: TieredCache, *, max_body_bytes: int, workers: int) -> None:
+        self._cache = cache
+        self._metrics = cache.metrics
+        self._max_body_bytes = max_body_bytes
+        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="lmcache-svc-grpc")
+        self._stopping = asyncio.Event()
+        self._inline_lookup = not any(t.shared for t in cache.tiers)
+
+    async def _run(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._pool, functools.partial(fn, *args, **kwargs))
+
+    def stop(self) -> None:
+        self._stopping.set()
+        self._pool.shutdown(wait=False)
+
+    @_rpc
+    async def RegisterNamespace(self, request: Any, context: Any) -> pb.RegisterNamespaceResponse:
+        ns = self._cache.register_namespace(namespace_from_pb(request.namespace))
+        return pb.RegisterNamespaceResponse(namespace_id=ns.namespace_id, chunk_bytes=ns.chunk_bytes)
+
+    async def OpenSession(self, request: Any, context: Any) -> AsyncIterator[pb.SessionEvent]:
+        session_id = self._cache.open_session()
+        seg = self._cache.segment()
+        self._metrics.requests.labels(transport="grpc", method="OpenSession", code="OK").inc()
+        try:
+            yield pb.SessionEvent(
+                session_id=session_id,
+                segments=[pb.Segment(transport=seg.transport, name=seg.name, size=seg.size,
+                                     nonce=seg.nonce)],
+            )
+            await self._stopping.wait()
+        finally:
+            # The client went away (or the server stops): reclaim what it held.
+            await self._run(self._cache.close_session, session_id)
+
+    @_rpc
+    async def Lookup(self, request: Any, context: Any) -> pb.LookupResponse:
+        if self._inline_lookup:
+            result = self._cache.lookup(request.namespace_id, request.chunk_hashes)
+        else:
+            result = await self._run(self._cache.lookup, request.namespace_id, request.chunk_hashes)
+        return pb.LookupResponse(num_hit_chunks=result.num_hit_chunks, tiers=result.tiers)
+
+    def _check_session(self, session_id: str) -> None:
+        if session_id and not self._cache.has_session(session_id):
+            raise UnknownSession(
+                f"session {session_id!r} is unknown (did the server restart?); open a new session"
+            )
+
+    @_rpc
+    async def PrepareStore(self, request: Any, context: Any) -> pb.PrepareStoreResponse:
+        self._check_session(request.session_id)
+        prepared = await self._run(
+            self._cache.prepare_store, request.namespace_id, request.chunk_hashes,
+            session_id=request.session_id or None, ttl_s=request.ttl_ms / 1000,
+        )
+        slots = [
+            pb.PreparedSlot(
+                chunk_hash=p.chunk_hash, status=_STORE_STATUS[p.status],
+                offset=p.slot.offset if p.slot else 0, length=p.slot.length if p.slot else 0,
+            )
+            for p in prepared
+        ]
+        return pb.PrepareStoreResponse(slots=slots, segment_name=self._cache.segment().name)
+
+    @_rpc
+    async def CommitStore(self, request: Any, context: Any) -> pb.CommitStoreResponse:
+        fn = self._cache.abort_store if request.abort else self._cache.commit_store
+        num = await self._run(
+            fn, request.namespace_id, request.chunk_hashes, session_id=request.session_id or None
+        )
+        return pb.CommitStoreResponse(num_committed=num)
+
+    @_rpc
+    async def PrepareLoad(self, request: Any, context: Any) -> pb.PrepareLoadResponse:
+        self._check_session(request.session_id)
+        lease = await self._run(
+            self._cache.prepare_load, request.namespace_id, request.chunk_hashes,
+            session_id=request.session_id or None, ttl_s=request.ttl_ms / 1000,
+        )
+        slots = [
+            pb.SlotRef(chunk_hash=h, offset=s.offset, length=s.length)
+            for h, s in zip(request.chunk_hashes, lease.slots)
+        ]
+        return pb.PrepareLoadResponse(
+            lease_id=lease.lease_id or "", slots=slots, segment_name=self._cache.segment().name
+        )
+
+    @_rpc
+    async def ReleaseLoad(self, request: Any, context: Any) -> pb.ReleaseLoadResponse:
+        return pb.ReleaseLoadResponse(released=self._cache.release_load(request.lease_id))
+
+    @_rpc
+    async def Put(self, request_iterator: Any, context: Any) -> pb.PutResponse:
+        stored = no_space = 0
+        upload: _Upload | None = None
+        try:
+            async for part in request_iterator:
+                if part.HasField("header"):
+                    if upload is not None:
+                        stored, no_space = upload.finish(stored, no_space)
+                    upload = await self._run(self._begin_upload, part.header)
+                elif upload is None:
+                    raise InvalidArgument("Put stream sent data before a chunk header")
+                else:
+                    upload.write(part.data)
+            if upload is not None:
+                stored, no_space = upload.finish(stored, no_space)
+                upload = None
+        finally:
+            if upload is not None:
+                upload.abort()
+        return pb.PutResponse(num_stored=stored, num_no_space=no_space)
+
+    def _begin_upload(self, header: pb.ChunkHeader) -> _Upload:
+        ns = self._cache.namespace(header.namespace_id)
+        if header.length > self._max_body_bytes:
+            raise PayloadTooLarge(
+                f"chunk of {header.length} bytes is over max_body_bytes ({self._max_body_bytes})"
+            )
+        if header.length != ns.chunk_bytes:
+            raise SizeMismatch(
+                f"chunk header says {header.length} bytes; namespace {ns.namespace_id.hex()} "
+                f"stores chunks of exactly {ns.chunk_bytes} bytes"
+            )
+        return _Upload(self._cache, header.namespace_id, check_chunk_hash(header.chunk_hash))
+
+    async def Get(self, request: Any, context: Any) -> AsyncIterator[pb.ChunkPart]:
+        start = time.perf_counter()
+        code = "OK"
+        try:
+            keys = [check_chunk_hash(h) for h in request.chunk_hashes]
+            for h in keys:
+                found = await self._run(self._cache.get, request.namespace_id, h)
+                if found is None:
+                    yield pb.ChunkPart(header=pb.ChunkHeader(
+                        namespace_id=request.namespace_id, chunk_hash=h, found=False))
+                    continue
+                data, tier = found
+                yield pb.ChunkPart(header=pb.ChunkHeader(
+                    namespace_id=request.namespace_id, chunk_hash=h, length=len(data),
+                    found=True, tier=tier))
+                for i in range(0, len(data), PIECE_BYTES):
+                    yield pb.ChunkPart(data=data[i : i + PIECE_BYTES])
+        except LMCacheSvcError as e:
+            code = grpc_code(e).name
+            self._metrics.errors.labels(kind=e.kind).inc()
+            context.set_trailing_metadata(((ERROR_KIND_KEY, e.kind),))
+            await context.abort(grpc_code(e), str(e))
+        finally:
+            self._metrics.requests.labels(transport="grpc", method="Get", code=code).inc()
+            self._metrics.request_latency.labels(transport="grpc", method="Get").observe(
+                time.perf_counter() - start
+            )
+
+    @_rpc
+    async def Delete(self, request: Any, context: Any) -> pb.DeleteResponse:
+        num = await self._run(self._cache.delete, request.namespace_id, request.chunk_hashes)
+        return pb.DeleteResponse(num_deleted=num)
+
+    @_rpc
+    async def Stats(self, request: Any, context: Any) -> pb.StatsResponse:
+        s = self._cache.stats()
+        return pb.StatsResponse(
+            tiers=[pb.TierState(name=t.name, capacity_bytes=t.capacity_bytes,
+                                used_bytes=t.used_bytes, num_chunks=t.num_chunks) for t in s.tiers],
+            active_leases=s.active_leases, pending_stores=s.pending_stores,
+            num_namespaces=s.num_namespaces, version=__version__,
+        )
+
+
+class _Upload:
+    """One inline chunk being written straight into a reserved slot."""
+
+    def __init__(self, cache: TieredCache, namespace_id: bytes, chunk_hash: bytes) -> None:
+        self._cache, self._ns_id, self._hash = cache, namespace_id, chunk_hash
+        self._owner = f"put-{id(self):x}-{time.monotonic_ns()}"
+        (prepared,) = cache.prepare_store(namespace_id, [chunk_hash], session_id=self._owner)
+        self.status = prepared.status
+        self._view = cache.view(prepared.slot) if prepared.slot is not None else None
+        self._size = cache.namespace(namespace_id).chunk_bytes
+        self._written = 0
+
+    def write(self, data: bytes) -> None:
+        end = self._written + len(data)
+        if end > self._size:
+            raise SizeMismatch(f"chunk data runs past its header's {self._size} bytes")
+        if self._view is not None:
+            self._view[self._written : end] = data
+        self._written = end
+
+    def finish(self, stored: int, no_space: int) -> tuple[int, int]:
+        if self._written != self._size:
+            raise SizeMismatch(
+                f"chunk {self._hash.hex()} got {self._written} of its {self._size} bytes"
+            )
+        if self._view is not None:
+            self._view = None
+            self._cache.commit_store(self._ns_id, [self._hash], session_id=self._owner)
+        if self.status == "no_space":
+            return stored, no_space + 1
+        return stored + 1, no_space
+
+    def abort(self) -> None:
+        if self._view is not None:
+            self._view = None
+            self._cache.abort_store(self._ns_id, [self._hash], session_id=self._owner)
+
+
+class _AuthInterceptor(grpc.aio.ServerInterceptor):
+    """Require ``authorization: Bearer <token>`` on every call except health checks."""
+
+    def __init__(self, token: str) -> None:
+        self._token = token
+
+    async def intercept_service(self, continuation: Any, details: Any) -> Any:
+        if details.method.startswith("/grpc.health.v1.Health/"):
+            return await continuation(details)
+        header = dict(details.invocation_metadata or ()).get("authorization")
+        try:
+            check_bearer(header, self._token)
+        except LMCacheSvcError as e:
+            return _deny(str(e))
+        return await continuation(details)
+
+
+def _deny(message: str) -> grpc.RpcMethodHandler:
+    async def abort(request: Any, context: grpc.aio.ServicerContext) -> None:
+        context.set_trailing_metadata(((ERROR_KIND_KEY, "unauthenticated"),))
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+
+    return grpc.unary_unary_rpc_method_handler(abort)
+
+
+def build_grpc_server(
+    cache: TieredCache, *, max_body_bytes: int, workers: int, auth_token: str | None
+) -> tuple[grpc.aio.Server, CacheServicer, health.aio.HealthServicer]:
+    interceptors = [_AuthInterceptor(auth_token)] if auth_token else []
+    server = grpc.aio.server(interceptors=interceptors, options=channel_options())
+    servicer = CacheServicer(cache, max_body_bytes=max_body_bytes, workers=workers)
+    pb_grpc.add_CacheServiceServicer_to_server(servicer, server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    return server, servicer, health_servicer
+
+
+async def set_serving(health_servicer: health.aio.HealthServicer, serving: bool) -> None:
+    status = (health_pb2.HealthCheckResponse.SERVING if serving
+              else health_pb2.HealthCheckResponse.NOT_SERVING)
+    for name in ("", SERVICE_NAME):
+        await health_servicer.set(name, status)
