@@ -171,7 +171,9 @@ class _Session:
         self.mapping: ArenaMapping | None = None
         for seg in event.segments:
             if seg.transport == "shm":
-                self.mapping = ArenaMapping.open(seg.name, seg.size, seg.nonce)
+                # Pre-faulting the client's mapping in the background makes first copies
+                # about 5x faster on small VMs (measured in arena.py's docstring).
+                self.mapping = ArenaMapping.open(seg.name, seg.size, seg.nonce, prefault=True)
                 self.segment_name = seg.name
         self._stream = stream
         self.alive = True

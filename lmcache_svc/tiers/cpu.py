@@ -1,0 +1,135 @@
+"""The CPU tier: chunks in the server's shared-memory ``Arena``, one slot per key.
+
+Same-host clients map the arena (``segment()``) and copy into or out of slots in place; the
+server copies for inline transfers through ``put`` and ``read_into``. A slot being read is
+pinned: deleting or replacing its key meanwhile frees it only when the last read ends, so a
+reader never sees a slot reused under it.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+
+from lmcache_svc.arena import Arena
+from lmcache_svc.errors import InvalidArgument
+from lmcache_svc.keys import ChunkKey
+from lmcache_svc.tiers.base import Buffer, SegmentInfo, Slot, SlotTier
+
+
+class CpuTier(SlotTier):
+    """A ``SlotTier`` over an ``Arena``, which it owns: ``close`` closes the arena. Thread-safe."""
+
+    def __init__(self, arena: Arena, *, name: str = "cpu") -> None:
+        self.name = name
+        self.capacity_bytes = arena.capacity_bytes
+        self._arena = arena
+        self._lock = threading.Lock()
+        self._slots: dict[ChunkKey, Slot] = {}
+        self._num_readers: dict[Slot, int] = {}
+        self._orphans: set[Slot] = set()  # dropped from the index while being read
+
+    @property
+    def arena(self) -> Arena:
+        return self._arena
+
+    @property
+    def used_bytes(self) -> int:
+        """Bytes taken from the arena (size classes), slots still being read included."""
+        return self._arena.used_bytes
+
+    @property
+    def num_chunks(self) -> int:
+        return len(self._slots)
+
+    def allocate(self, key: ChunkKey, nbytes: int) -> Slot | None:
+        with self._lock:
+            if key in self._slots:
+                raise RuntimeError(f"tier {self.name!r}: key {key.hex()} already has a slot")
+            slot = self._arena.allocate(nbytes)
+            if slot is not None:
+                self._slots[key] = slot
+        return slot
+
+    def put(self, key: ChunkKey, data: Buffer) -> bool:
+        """Store ``data``; when the arena is full, an old value of ``key`` is dropped first."""
+        src = memoryview(data).cast("B")
+        slot = self._arena.allocate(src.nbytes)
+        if slot is None and self.delete(key):
+            slot = self._arena.allocate(src.nbytes)
+        if slot is None:
+            return False
+        self._arena.view(slot)[:] = src
+        with self._lock:
+            old = self._slots.get(key)
+            self._slots[key] = slot
+            if old is not None:
+                self._release(old)
+        return True
+
+    def read_into(self, key: ChunkKey, out: memoryview) -> bool:
+        with self._lock:
+            slot = self._slots.get(key)
+            if slot is None:
+                return False
+            if out.nbytes != slot.length:
+                raise InvalidArgument(
+                    f"read buffer is {out.nbytes} bytes, chunk {key.hex()} is {slot.length}"
+                )
+            self._num_readers[slot] = self._num_readers.get(slot, 0) + 1
+        try:
+            out.cast("B")[:] = self._arena.view(slot)
+        finally:
+            self._end_read(slot)
+        return True
+
+    def _end_read(self, slot: Slot) -> None:
+        with self._lock:
+            left = self._num_readers.pop(slot) - 1
+            if left:
+                self._num_readers[slot] = left
+            elif slot in self._orphans:
+                self._orphans.remove(slot)
+                self._arena.free(slot)
+
+    def _release(self, slot: Slot) -> None:
+        """Free a slot dropped from the index, or defer it to its last reader. Lock held."""
+        if slot in self._num_readers:
+            self._orphans.add(slot)
+        else:
+            self._arena.free(slot)
+
+    def size_of(self, key: ChunkKey) -> int | None:
+        slot = self._slots.get(key)
+        return None if slot is None else slot.length
+
+    def delete(self, key: ChunkKey) -> int:
+        """Drop ``key``; returns the arena bytes (its size class) it frees, now or after reads."""
+        with self._lock:
+            slot = self._slots.pop(key, None)
+            if slot is None:
+                return 0
+            freed = self._arena.class_bytes_of(slot)
+            self._release(slot)
+        return freed
+
+    def contains_many(self, keys: Sequence[ChunkKey]) -> list[bool]:
+        slots = self._slots
+        return [key in slots for key in keys]
+
+    def slot_of(self, key: ChunkKey) -> Slot | None:
+        return self._slots.get(key)
+
+    def view(self, slot: Slot) -> memoryview:
+        return self._arena.view(slot)
+
+    def segment(self) -> SegmentInfo:
+        arena = self._arena
+        return SegmentInfo("shm", arena.name, arena.segment_size, arena.nonce)
+
+    def close(self) -> None:
+        with self._lock:
+            self._slots.clear()
+            self._num_readers.clear()
+            self._orphans.clear()
+        self._arena.close()

@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# Set up everything on a fresh machine (venv, torch CPU wheel, redis-server, the vLLM
+# venv for the end-to-end tests) and run the test suite. Extra arguments go to pytest.
+set -euo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+cd "$root"
+scripts/setup.sh --dev
+if [ -z "${LMCACHE_SVC_SKIP_VLLM:-}" ] && [ -f scripts/setup_vllm.sh ]; then
+  bash scripts/setup_vllm.sh
+fi
+exec .venv/bin/python -m pytest -q "$@"
