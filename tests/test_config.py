@@ -1,0 +1,70 @@
+"""Configuration: defaults, file + env + flag precedence, and clear errors."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from lmcache_svc.config import load_config
+from lmcache_svc.errors import ConfigError
+
+
+def test_embedded_defaults_are_safe() -> None:
+    cfg = load_config(env={})
+    assert cfg.host == "127.0.0.1" and cfg.auth_token is None
+    assert int(cfg.cpu.capacity) == 1 << 30 and cfg.cpu.shm_mode == 0o600
+    assert cfg.ssd.path is None and cfg.redis.url is None
+    assert cfg.socket is not None and cfg.socket.name == "grpc.sock"
+
+
+def test_file_then_env_then_flags(tmp_path: Path) -> None:
+    yaml_file = tmp_path / "c.yaml"
+    yaml_file.write_text("http_port: 9000\ncpu:\n  capacity: 2GiB\nssd:\n  path: /var/tmp/x\n")
+    cfg = load_config(yaml_file, env={"LMCACHE_SVC_CPU__CAPACITY": "3GiB",
+                                      "LMCACHE_SVC_GRPC_PORT": "6000"},
+                      overrides={"grpc_port": "7000"})
+    assert cfg.http_port == 9000 and int(cfg.cpu.capacity) == 3 << 30
+    assert cfg.grpc_port == 7000 and str(cfg.ssd.path) == "/var/tmp/x"
+    toml_file = tmp_path / "c.toml"
+    toml_file.write_text('[redis]\nurl = "redis://127.0.0.1:6380"\nttl_s = 60\n')
+    cfg = load_config(toml_file, env={"LMCACHE_SVC_HTTP_PORT": "null"})
+    assert cfg.redis.url == "redis://127.0.0.1:6380" and cfg.http_port is None
+
+
+@pytest.mark.parametrize(
+    ("env", "message"),
+    [
+        ({"LMCACHE_SVC_CPU__CAPACITY": "lots"}, "cpu.capacity"),
+        ({"LMCACHE_SVC_CPU__COLOUR": "red"}, "cpu.colour"),
+        ({"LMCACHE_SVC_HTTP_PORT": "70000"}, "http_port"),
+        ({"LMCACHE_SVC_REDIS__URL": "http://x"}, "redis://"),
+        ({"LMCACHE_SVC_CACHE__LOW_WATERMARK": "0.99"}, "low_watermark"),
+        ({"LMCACHE_SVC_HOST": "0.0.0.0"}, "auth_token"),
+        ({"LMCACHE_SVC_AUTH_TOKEN": "short"}, "16 characters"),
+        ({"LMCACHE_SVC_HTTP_PORT": "null", "LMCACHE_SVC_GRPC_PORT": "null",
+          "LMCACHE_SVC_SOCKET": "null"}, "no listener"),
+    ],
+)
+def test_bad_values_name_the_field(env: dict[str, str], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        load_config(env=env)
+
+
+def test_exposed_host_is_allowed_with_a_token() -> None:
+    cfg = load_config(env={"LMCACHE_SVC_HOST": "0.0.0.0",
+                           "LMCACHE_SVC_AUTH_TOKEN": "a-long-enough-token"})
+    assert cfg.host == "0.0.0.0"
+
+
+def test_unreadable_or_malformed_files(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_config(tmp_path / "missing.yaml", env={})
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("cpu: [unclosed\n")
+    with pytest.raises(ConfigError, match="not valid"):
+        load_config(bad, env={})
+    listy = tmp_path / "list.yaml"
+    listy.write_text("- 1\n- 2\n")
+    with pytest.raises(ConfigError, match="mapping"):
+        load_config(listy, env={})
