@@ -16,7 +16,15 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ByteSize, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ByteSize,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from lmcache_svc.defaults import default_socket_path
 from lmcache_svc.errors import ConfigError
@@ -25,7 +33,7 @@ ENV_PREFIX = "LMCACHE_SVC_"
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=True)
 
 
 class CpuConfig(_Section):
@@ -38,29 +46,58 @@ class CpuConfig(_Section):
     shm_mode: int = Field(0o600, ge=0, le=0o777)
     """Permissions of the segment: 0o600 = only the server's user may map it."""
     prefault: Literal["off", "background", "sync"] = "background"
+    """Populate the arena's pages at start-up (first touches are slow): in a background
+    thread, before serving, or not at all."""
+
+
+    @field_validator("shm_mode", mode="before")
+    @classmethod
+    def _octal(cls, value: Any) -> Any:
+        """Accept "0o660" / "660" strings as octal (YAML reads 0o660 as a string)."""
+        if isinstance(value, str):
+            try:
+                return int(value.removeprefix("0o"), 8)
+            except ValueError:
+                raise ValueError(f"shm_mode must be octal like 0o600, got {value!r}") from None
+        return value
 
 
 class SsdConfig(_Section):
     path: Path | None = None
     """Directory of the SSD tier; no SSD tier when unset."""
     capacity: ByteSize = Field(ByteSize(16 << 30), gt=0)
+    """Bytes of chunk files (headers and padding included) the tier may hold."""
     fsync: Literal["never", "always"] = "never"
+    """"always": fsync each file before its rename and the directory after. "never": a
+    crash may lose recent chunks, never serve torn ones (checksums are verified on read)."""
     o_direct: bool = False
+    """Bypass the page cache (O_DIRECT); the filesystem must support it (tmpfs does not)."""
     accept_demotions: bool = True
+    """Chunks evicted from the arena move here instead of being dropped."""
     write_through: bool = False
+    """Copy every committed chunk here in the background."""
 
 
 class RedisConfig(_Section):
     url: str | None = None
     """redis://, rediss:// or unix:// URL; no Redis tier when unset."""
     cluster: bool = False
+    """The URL names one node of a Redis Cluster."""
     capacity: ByteSize = Field(ByteSize(8 << 30), gt=0)
+    """Bytes (headers included) this server may keep in Redis; Redis's own maxmemory is
+    the backstop for what several servers share."""
     ttl_s: float | None = Field(None, gt=0)
+    """Expire chunks in Redis after this many seconds (none: keep until evicted)."""
     connections: int = Field(4, ge=1, le=64)
+    """Parallel connections for batched transfers."""
     key_prefix: str = "lmcache-svc:v1:"
+    """Prefix of every Redis key this tier writes."""
     timeout_s: float = Field(2.0, gt=0, le=60)
+    """Socket timeout of every Redis call: a dead Redis is a miss, never a hang."""
     accept_demotions: bool = True
+    """Chunks evicted from the tiers above move here (when not already written through)."""
     write_through: bool = True
+    """Copy every committed chunk here in the background, so other servers can find it."""
 
     @model_validator(mode="after")
     def _check_url(self) -> RedisConfig:
@@ -71,11 +108,17 @@ class RedisConfig(_Section):
 
 class CacheConfig(_Section):
     high_watermark: float = Field(0.95, gt=0, le=1)
+    """Background eviction starts when the arena is fuller than this fraction."""
     low_watermark: float = Field(0.85, gt=0, le=1)
+    """... and stops when it is back under this fraction."""
     lease_ttl_s: float = Field(30.0, gt=0)
+    """Default lifetime of a load lease (pinned chunks) when the client gives none."""
     max_lease_ttl_s: float = Field(600.0, gt=0)
+    """Longest lease or reservation lifetime a client may ask for."""
     reservation_ttl_s: float = Field(30.0, gt=0)
+    """Default lifetime of a store reservation before it is reclaimed."""
     max_chunks_per_request: int = Field(8192, ge=1)
+    """Most chunk hashes accepted in one request."""
 
     @model_validator(mode="after")
     def _check_watermarks(self) -> CacheConfig:
@@ -103,7 +146,9 @@ class Config(_Section):
     max_body_bytes: ByteSize = Field(ByteSize(256 << 20), gt=0)
     """Largest inline chunk body accepted over REST or gRPC."""
     grpc_workers: int = Field(16, ge=1, le=256)
+    """Threads that run cache calls which may block (lower tiers, bulk copies)."""
     log_level: Literal["debug", "info", "warning", "error"] = "info"
+    """Server log level."""
     ready_file: Path | None = None
     """Where to write a JSON line with the bound addresses once serving (for supervisors)."""
     cpu: CpuConfig = Field(default_factory=CpuConfig)

@@ -68,3 +68,24 @@ def test_unreadable_or_malformed_files(tmp_path: Path) -> None:
     listy.write_text("- 1\n- 2\n")
     with pytest.raises(ConfigError, match="mapping"):
         load_config(listy, env={})
+
+
+def test_every_setting_is_documented() -> None:
+    from pydantic import BaseModel
+
+    from lmcache_svc.config import Config
+
+    docs = (Path(__file__).resolve().parents[1] / "docs/configuration.md").read_text()
+
+    def keys(model: type[BaseModel], prefix: str = "") -> list[str]:
+        out: list[str] = []
+        for name, field in model.model_fields.items():
+            ann = field.annotation
+            if isinstance(ann, type) and issubclass(ann, BaseModel):
+                out += keys(ann, f"{prefix}{name}.")
+            else:
+                out.append(prefix + name)
+        return out
+
+    missing = [k for k in keys(Config) if f"| `{k}` |" not in docs]
+    assert not missing, f"undocumented settings in docs/configuration.md: {missing}"
