@@ -1,0 +1,493 @@
+"""SSD tier: one checksummed file per chunk in a local directory.
+
+Layout: ``<path>/chunks/<first 2 hex>/<96-hex ChunkKey>.kv``; writes in flight live in
+``<path>/tmp/<random>.tmp`` (leftovers are removed at start-up). A chunk file is a 4096-byte
+header block, then the payload at offset 4096 so O_DIRECT transfers stay aligned; with
+``o_direct`` the file is zero-padded to a multiple of 4096. The header (``HEADER``,
+little-endian) holds a magic, the format version, the payload length, the xxh3-64 checksum of
+the payload and the ChunkKey, so truncated, overwritten or renamed files are detected.
+
+Durability (``fsync``): every write goes to a tmp file that is renamed into place.
+``"never"`` (default) fsyncs nothing: a crash can lose recent chunks, but torn bytes are never
+served, because the header and payload checksum are verified on every read (a bad file is
+dropped). ``"always"`` fsyncs the tmp file before the rename and the shard directory after it,
+so a chunk whose ``put`` returned survives a crash.
+
+Capacity: ``used_bytes`` is the sum of chunk file sizes (header, payload, padding) plus bytes
+reserved by writes in flight; ``put`` reserves before writing, so it is never exceeded. A put
+over an existing key removes the old file first: the key misses until the new one is in place.
+
+Concurrency: one lock guards the LRU index and the metadata operations that must agree with it
+(rename into place, unlink); reads, writes, checksums and fsyncs run outside it. At start-up the
+index is rebuilt from the headers alone, oldest mtime first (the order ``scan`` reports).
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import mmap
+import os
+import re
+import struct
+import threading
+import uuid
+from collections import OrderedDict
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+import xxhash
+
+from lmcache_svc.errors import ConfigError, Corrupted, InvalidArgument, TierError
+from lmcache_svc.keys import CHUNK_KEY_BYTES, ChunkKey
+from lmcache_svc.tiers.base import Buffer, Tier
+
+logger = logging.getLogger(__name__)
+
+MAGIC = b"LMCSVCS1"
+FORMAT_VERSION = 1
+BLOCK = 4096
+"""Header block size, payload offset and O_DIRECT alignment."""
+HEADER = struct.Struct("<8sHQQ48s")
+"""magic, format version, payload length, xxh3_64 of the payload, ChunkKey."""
+
+FsyncPolicy = Literal["never", "always"]
+
+_BOUNCE_BYTES = 2 * BLOCK
+_MAX_RW = 0x7FFFF000  # Linux moves at most this many bytes per read/write call
+_NAME_RE = re.compile(rf"[0-9a-f]{{{2 * CHUNK_KEY_BYTES}}}\.kv")
+
+
+@dataclass(slots=True)
+class _Entry:
+    length: int  # payload bytes
+    file_bytes: int  # bytes on disk: header block, payload and padding
+
+
+class SsdTier(Tier):
+    """Chunks as checksummed files under ``path``; see the module docstring."""
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        capacity_bytes: int,
+        *,
+        fsync: FsyncPolicy = "never",
+        o_direct: bool = False,
+        name: str = "ssd",
+    ) -> None:
+        if fsync not in ("never", "always"):
+            raise ConfigError(f"ssd tier fsync must be 'never' or 'always', got {fsync!r}")
+        if not isinstance(capacity_bytes, int) or capacity_bytes < 0:
+            raise ConfigError(f"ssd tier capacity_bytes must be >= 0, got {capacity_bytes!r}")
+        self.name = name
+        self.capacity_bytes = capacity_bytes
+        self.path = os.fspath(path)
+        self._chunks_dir = os.path.join(self.path, "chunks")
+        self._tmp_dir = os.path.join(self.path, "tmp")
+        self._fsync = fsync == "always"
+        self._o_direct = o_direct
+        direct = getattr(os, "O_DIRECT", 0) if o_direct else 0
+        self._read_flags = os.O_RDONLY | os.O_CLOEXEC | direct
+        self._write_flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | direct
+        self._lock = threading.Lock()
+        self._index: OrderedDict[ChunkKey, _Entry] = OrderedDict()
+        self._used = 0
+        self._local = threading.local()
+        self._prepare_dirs()
+        self._probe_write()
+        self._load_index()
+
+    # -- Tier contract ----------------------------------------------------------------------
+
+    @property
+    def used_bytes(self) -> int:
+        with self._lock:
+            return self._used
+
+    @property
+    def num_chunks(self) -> int:
+        with self._lock:
+            return len(self._index)
+
+    def put(self, key: ChunkKey, data: Buffer) -> bool:
+        _check_key(key)
+        payload = _byte_view(data)
+        entry = _Entry(len(payload), self._file_bytes(len(payload)))
+        if not self._reserve(key, entry.file_bytes):
+            return False
+        try:
+            path = self._commit(key, self._write_tmp(key, payload), entry)
+        except BaseException:
+            with self._lock:
+                self._used -= entry.file_bytes
+            raise
+        if self._fsync:
+            _fsync_dir(os.path.dirname(path))
+        return True
+
+    def read_into(self, key: ChunkKey, out: memoryview) -> bool:
+        _check_key(key)
+        view = _byte_view(out)
+        if view.readonly:
+            raise InvalidArgument("read_into needs a writable output buffer")
+        with self._lock:
+            entry = self._index.get(key)
+            if entry is None:
+                return False
+            if entry.length != len(view):
+                raise InvalidArgument(
+                    f"output buffer is {len(view)} bytes but chunk {key.hex()} has {entry.length}"
+                )
+            self._index.move_to_end(key)
+        return self._read_file(key, view)
+
+    def size_of(self, key: ChunkKey) -> int | None:
+        with self._lock:
+            entry = self._index.get(key)
+        return None if entry is None else entry.length
+
+    def delete(self, key: ChunkKey) -> int:
+        with self._lock:
+            entry = self._index.get(key)
+            if entry is None:
+                return 0
+            _unlink(self._path_of(key))
+            del self._index[key]
+            self._used -= entry.file_bytes
+        return entry.file_bytes
+
+    def contains_many(self, keys: Sequence[ChunkKey]) -> list[bool]:
+        with self._lock:
+            return [key in self._index for key in keys]
+
+    def scan(self) -> Iterator[tuple[ChunkKey, int]]:
+        with self._lock:
+            items = [(key, entry.length) for key, entry in self._index.items()]
+        yield from items
+
+    # -- start-up ---------------------------------------------------------------------------
+
+    def _prepare_dirs(self) -> None:
+        try:
+            for shard in range(256):
+                os.makedirs(os.path.join(self._chunks_dir, f"{shard:02x}"), exist_ok=True)
+            os.makedirs(self._tmp_dir, exist_ok=True)
+            leftovers = os.listdir(self._tmp_dir)
+            for name in leftovers:
+                os.unlink(os.path.join(self._tmp_dir, name))
+        except OSError as e:
+            msg = f"ssd tier path {self.path!r} is not a writable directory: {e}"
+            raise ConfigError(msg) from None
+        if leftovers:
+            logger.warning("ssd tier %s: removed %d leftover tmp files", self.path, len(leftovers))
+        if self._fsync:
+            _fsync_dir(self._chunks_dir)
+
+    def _probe_write(self) -> None:
+        """Write and remove one block the way chunks are written, to fail at start-up."""
+        probe = os.path.join(self._tmp_dir, f"probe-{uuid.uuid4().hex}.tmp")
+        try:
+            fd = os.open(probe, self._write_flags, 0o644)
+            try:
+                block = self._bounce(BLOCK)[:BLOCK] if self._o_direct else memoryview(bytes(BLOCK))
+                _pwrite_all(fd, [block], 0)
+            finally:
+                os.close(fd)
+                _remove_quietly(probe)
+        except OSError as e:
+            if self._o_direct and e.errno == errno.EINVAL:
+                raise ConfigError(
+                    f"ssd tier path {self.path!r}: the filesystem rejects O_DIRECT "
+                    f"({e.strerror}); set o_direct off for this path"
+                ) from None
+            raise ConfigError(f"ssd tier path {self.path!r} is not writable: {e}") from None
+
+    def _load_index(self) -> None:
+        found: list[tuple[int, ChunkKey, _Entry]] = []
+        for shard in sorted(os.listdir(self._chunks_dir)):
+            shard_dir = os.path.join(self._chunks_dir, shard)
+            for name in os.listdir(shard_dir) if os.path.isdir(shard_dir) else ():
+                item = self._check_file(shard, name)
+                if item is not None:
+                    found.append(item)
+        found.sort(key=lambda item: (item[0], item[1]))
+        for _mtime, key, entry in found:
+            self._index[key] = entry
+            self._used += entry.file_bytes
+        while self._used > self.capacity_bytes:
+            key, entry = self._index.popitem(last=False)
+            logger.warning("ssd tier %s: over capacity, removing %s", self.path, key.hex())
+            _unlink(self._path_of(key))
+            self._used -= entry.file_bytes
+
+    def _check_file(self, shard: str, name: str) -> tuple[int, ChunkKey, _Entry] | None:
+        """(mtime, key, entry) of a valid chunk file; removes an invalid one."""
+        path = os.path.join(self._chunks_dir, shard, name)
+        key = _key_from_name(shard, name)
+        if key is None:
+            logger.warning("ssd tier: ignoring unexpected file %s", path)
+            return None
+        try:
+            with open(path, "rb") as f:
+                raw = f.read(HEADER.size)
+                st = os.fstat(f.fileno())
+            length, _checksum = _parse_header(raw, key, st.st_size)
+        except FileNotFoundError:
+            return None
+        except ValueError as e:
+            logger.warning("ssd tier: removing bad chunk file %s: %s", path, e)
+            _remove_quietly(path)
+            return None
+        except OSError as e:
+            raise TierError(f"{path}: {e.strerror}") from None
+        return st.st_mtime_ns, key, _Entry(length, st.st_size)
+
+    # -- writes -----------------------------------------------------------------------------
+
+    def _reserve(self, key: ChunkKey, file_bytes: int) -> bool:
+        """Claim ``file_bytes`` for a put of ``key``, removing the key's old file."""
+        with self._lock:
+            old = self._index.get(key)
+            old_bytes = 0 if old is None else old.file_bytes
+            if self._used - old_bytes + file_bytes > self.capacity_bytes:
+                return False
+            if old is not None:
+                _unlink(self._path_of(key))
+                del self._index[key]
+            self._used += file_bytes - old_bytes
+            return True
+
+    def _write_tmp(self, key: ChunkKey, payload: memoryview) -> str:
+        tmp = os.path.join(self._tmp_dir, f"{uuid.uuid4().hex}.tmp")
+        header = _pack_header(key, payload)
+        try:
+            fd = os.open(tmp, self._write_flags, 0o644)
+            try:
+                self._write_image(fd, header, payload)
+                if self._fsync:
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
+        except OSError as e:
+            _remove_quietly(tmp)
+            raise TierError(f"writing {tmp}: {e.strerror}") from None
+        return tmp
+
+    def _write_image(self, fd: int, header: bytes, payload: memoryview) -> None:
+        if not self._o_direct:
+            _pwrite_all(fd, [memoryview(header), payload], 0)
+            return
+        body = _direct_body(payload)
+        rest = len(payload) - body
+        end = BLOCK + _align(rest)
+        bounce = self._bounce(end)
+        bounce[:BLOCK] = header
+        bounce[BLOCK : BLOCK + rest] = payload[body:]
+        bounce[BLOCK + rest : end] = bytes(end - BLOCK - rest)
+        _pwrite_all(fd, [bounce[:BLOCK], payload[:body], bounce[BLOCK:end]], 0)
+
+    def _commit(self, key: ChunkKey, tmp: str, entry: _Entry) -> str:
+        """Rename ``tmp`` into place and index it (its bytes are already reserved)."""
+        path = self._path_of(key)
+        with self._lock:
+            try:
+                os.replace(tmp, path)
+            except OSError as e:
+                _remove_quietly(tmp)
+                raise TierError(f"{path}: {e.strerror}") from None
+            replaced = self._index.pop(key, None)
+            if replaced is not None:
+                self._used -= replaced.file_bytes
+            self._index[key] = entry
+        return path
+
+    # -- reads ------------------------------------------------------------------------------
+
+    def _read_file(self, key: ChunkKey, view: memoryview) -> bool:
+        path = self._path_of(key)
+        try:
+            fd = os.open(path, self._read_flags)
+        except FileNotFoundError:
+            self._drop(key, path, None)
+            return False
+        except OSError as e:
+            raise TierError(f"{path}: {e.strerror}") from None
+        try:
+            st = os.fstat(fd)
+            raw, got = self._read_image(fd, view)
+        except OSError as e:
+            raise TierError(f"{path}: {e.strerror}") from None
+        finally:
+            os.close(fd)
+        try:
+            length, checksum = _parse_header(raw, key, st.st_size)
+        except ValueError as e:
+            self._drop(key, path, st)
+            raise Corrupted(f"{path}: {e}; chunk dropped") from None
+        if length != len(view):
+            return False  # replaced meanwhile by a chunk of another size
+        if got < length or xxhash.xxh3_64_intdigest(view) != checksum:
+            self._drop(key, path, st)
+            raise Corrupted(f"{path}: payload checksum mismatch; chunk dropped")
+        return True
+
+    def _read_image(self, fd: int, view: memoryview) -> tuple[bytes, int]:
+        """(header bytes, payload bytes read into ``view``) of one chunk file."""
+        if not self._o_direct:
+            head = bytearray(BLOCK)
+            got = _preadv_all(fd, [memoryview(head), view], 0)
+            return bytes(head[: min(got, HEADER.size)]), max(0, got - BLOCK)
+        body = _direct_body(view)
+        rest = len(view) - body
+        end = BLOCK + _align(rest)
+        bounce = self._bounce(end)
+        got = _preadv_all(fd, [bounce[:BLOCK], view[:body], bounce[BLOCK:end]], 0)
+        view[body:] = bounce[BLOCK : BLOCK + rest]
+        return bytes(bounce[: min(got, HEADER.size)]), min(max(0, got - BLOCK), len(view))
+
+    def _drop(self, key: ChunkKey, path: str, seen: os.stat_result | None) -> None:
+        """Forget ``key`` if its file vanished, or remove it if it is still the file ``seen``."""
+        with self._lock:
+            try:
+                now: os.stat_result | None = os.stat(path)
+            except FileNotFoundError:
+                now = None
+            if now is not None:
+                if seen is None or (now.st_dev, now.st_ino) != (seen.st_dev, seen.st_ino):
+                    return  # a put replaced it meanwhile
+                _unlink(path)
+            entry = self._index.pop(key, None)
+            if entry is not None:
+                self._used -= entry.file_bytes
+
+    # -- helpers ----------------------------------------------------------------------------
+
+    def _path_of(self, key: ChunkKey) -> str:
+        name = key.hex()
+        return f"{self._chunks_dir}/{name[:2]}/{name}.kv"
+
+    def _file_bytes(self, length: int) -> int:
+        return _align(BLOCK + length) if self._o_direct else BLOCK + length
+
+    def _bounce(self, nbytes: int) -> memoryview:
+        """This thread's page-aligned scratch buffer (an anonymous mmap) of >= ``nbytes``."""
+        buf: memoryview | None = getattr(self._local, "bounce", None)
+        if buf is None or len(buf) < nbytes:
+            buf = self._local.bounce = memoryview(mmap.mmap(-1, max(nbytes, _BOUNCE_BYTES)))
+        return buf
+
+
+def _check_key(key: ChunkKey) -> None:
+    if not isinstance(key, bytes) or len(key) != CHUNK_KEY_BYTES:
+        shown = len(key) if isinstance(key, (bytes, bytearray)) else type(key).__name__
+        raise InvalidArgument(f"chunk key must be {CHUNK_KEY_BYTES} bytes, got {shown}")
+
+
+def _key_from_name(shard: str, name: str) -> ChunkKey | None:
+    if not _NAME_RE.fullmatch(name) or not name.startswith(shard):
+        return None
+    return ChunkKey(bytes.fromhex(name[: 2 * CHUNK_KEY_BYTES]))
+
+
+def _pack_header(key: ChunkKey, payload: memoryview) -> bytes:
+    checksum = xxhash.xxh3_64_intdigest(payload)
+    packed = HEADER.pack(MAGIC, FORMAT_VERSION, len(payload), checksum, key)
+    return packed + bytes(BLOCK - HEADER.size)
+
+
+def _parse_header(raw: bytes, key: ChunkKey, file_size: int) -> tuple[int, int]:
+    """(payload length, checksum) from a header; ValueError saying what is wrong."""
+    if len(raw) < HEADER.size:
+        raise ValueError(f"truncated header ({file_size} bytes)")
+    magic, version, length, checksum, stored_key = HEADER.unpack(raw[: HEADER.size])
+    if magic != MAGIC:
+        raise ValueError(f"bad magic {magic!r}")
+    if version != FORMAT_VERSION:
+        raise ValueError(f"unsupported format version {version}")
+    if stored_key != key:
+        raise ValueError(f"header names chunk {stored_key.hex()}, not the file's name")
+    if file_size not in (BLOCK + length, _align(BLOCK + length)):
+        raise ValueError(f"file size {file_size} does not match payload length {length}")
+    return length, checksum
+
+
+def _align(n: int) -> int:
+    return -(-n // BLOCK) * BLOCK
+
+
+def _byte_view(buf: Buffer) -> memoryview:
+    view = memoryview(buf)
+    if not view.c_contiguous:
+        raise InvalidArgument("chunk buffers must be contiguous")
+    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
+
+
+def _direct_body(view: memoryview) -> int:
+    """How many leading bytes of ``view`` O_DIRECT can move in place (0 if it is unaligned)."""
+    if int(np.frombuffer(view, dtype=np.uint8).ctypes.data) % BLOCK:
+        return 0
+    return len(view) - len(view) % BLOCK
+
+
+def _advance(bufs: list[memoryview], n: int) -> list[memoryview]:
+    """``bufs`` without their first ``n`` bytes, dropping empty buffers."""
+    out = []
+    for buf in bufs:
+        skip = min(n, len(buf))
+        n -= skip
+        if len(buf) > skip:
+            out.append(buf[skip:])
+    return out
+
+
+def _pwrite_all(fd: int, bufs: list[memoryview], offset: int) -> None:
+    bufs = _advance(bufs, 0)
+    while bufs:
+        written = os.pwritev(fd, bufs, offset)
+        if not written:
+            raise OSError(errno.EIO, "write made no progress")
+        offset += written
+        bufs = _advance(bufs, written)
+
+
+def _preadv_all(fd: int, bufs: list[memoryview], offset: int) -> int:
+    """Bytes read into ``bufs`` from ``offset``, stopping at end of file."""
+    bufs, total = _advance(bufs, 0), 0
+    while bufs:
+        want = min(sum(len(b) for b in bufs), _MAX_RW)
+        got = os.preadv(fd, bufs, offset)
+        total, offset = total + got, offset + got
+        if got < want:
+            break
+        bufs = _advance(bufs, got)
+    return total
+
+
+def _fsync_dir(directory: str) -> None:
+    try:
+        fd = os.open(directory, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError as e:
+        raise TierError(f"fsync {directory}: {e.strerror}") from None
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+    except OSError as e:
+        raise TierError(f"removing {path}: {e.strerror}") from None
+
+
+def _remove_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
