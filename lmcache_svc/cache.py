@@ -27,13 +27,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from lmcache_svc.errors import (
-    InvalidArgument,
-    PayloadTooLarge,
-    SizeMismatch,
-    TierError,
-    UnknownNamespace,
-)
+from lmcache_svc.errors import InvalidArgument, PayloadTooLarge, SizeMismatch, UnknownNamespace
 from lmcache_svc.keys import (
     ChunkHash,
     ChunkKey,
@@ -43,6 +37,7 @@ from lmcache_svc.keys import (
     check_namespace_id,
     make_chunk_key,
 )
+from lmcache_svc.lower import LowerTier, LowerTiers
 from lmcache_svc.metrics import Metrics
 from lmcache_svc.policy import (
     CacheSettings,
@@ -50,6 +45,7 @@ from lmcache_svc.policy import (
     LoadLease,
     LookupResult,
     PreparedStore,
+    StoreStatus,
     TierPolicy,
 )
 from lmcache_svc.tiers.base import Buffer, SegmentInfo, Slot, SlotTier, Tier
@@ -78,14 +74,6 @@ class _Lease:
     deadline: float
 
 
-@dataclass(slots=True)
-class _Lower:
-    tier: Tier
-    policy: TierPolicy
-    index: OrderedDict[ChunkKey, int]
-    """Chunks known to be in the tier (key -> size), least recently used first."""
-
-
 class TieredCache:
     def __init__(
         self,
@@ -100,7 +88,7 @@ class TieredCache:
         self.settings = settings or CacheSettings()
         self.metrics = metrics or Metrics()
         self._first = first
-        self._lower = [_Lower(t, p, OrderedDict(t.scan())) for t, p in lower]
+        self._lower = LowerTiers(lower, self.metrics)
         self._lock = threading.RLock()
         self._entries: OrderedDict[ChunkKey, _Entry] = OrderedDict()
         self._detached: set[ChunkKey] = set()
@@ -111,13 +99,13 @@ class TieredCache:
         self._wake = threading.Event()
         self._maintenance: threading.Thread | None = None
         self._write_through = WriteThrough(
-            self._copy_through, enabled=any(lw.policy.write_through for lw in self._lower)
+            self._copy_through, enabled=self._lower.has_write_through
         )
         self.metrics.watch_tiers(lambda: [t.stats() for t in self.tiers])
 
     @property
     def tiers(self) -> list[Tier]:
-        return [self._first, *(lw.tier for lw in self._lower)]
+        return [self._first, *self._lower.tiers]
 
     def segment(self) -> SegmentInfo:
         return self._first.segment()
@@ -139,8 +127,8 @@ class TieredCache:
         if self._maintenance is not None:
             self._maintenance.join(timeout=10)
         self._write_through.stop()
-        for tier in self.tiers:
-            tier.close()
+        self._first.close()
+        self._lower.close()
 
     def _maintain(self) -> None:
         while not self._stop.is_set():
@@ -215,32 +203,18 @@ class TieredCache:
         found: list[str] = []
         with self._lock:
             for key in keys:
-                tier = self._local_tier(key)
+                entry = self._entries.get(key)
+                if entry is not None and entry.ready and not entry.doomed:
+                    found.append(self._first.name)
+                    continue
+                tier = self._lower.local_tier(key)
                 if tier is None:
                     break
                 found.append(tier.name)
         rest = keys[len(found) :]
-        for lw in (lw for lw in self._lower if lw.tier.shared):
-            if not rest:
-                break
-            try:
-                present = lw.tier.contains_many(rest)
-            except TierError as e:
-                self._tier_failed(lw.tier, e)
-                continue
-            num = next((i for i, p in enumerate(present) if not p), len(present))
-            found.extend([lw.tier.name] * num)
-            rest = rest[num:]
+        if rest:
+            found += [lt.tier.name for lt in self._lower.sources(rest)]
         return found
-
-    def _local_tier(self, key: ChunkKey) -> Tier | None:
-        entry = self._entries.get(key)
-        if entry is not None and entry.ready and not entry.doomed:
-            return self._first
-        for lw in self._lower:
-            if key in lw.index:
-                return lw.tier
-        return None
 
     # -- store -----------------------------------------------------------------------------
 
@@ -264,7 +238,7 @@ class TieredCache:
 
     def _reserve(
         self, key: ChunkKey, nbytes: int, owner: str | None, deadline: float
-    ) -> tuple[str, Slot | None]:
+    ) -> tuple[StoreStatus, Slot | None]:
         with self._lock:
             entry = self._entries.get(key)
             if entry is not None and not entry.doomed:
@@ -274,7 +248,7 @@ class TieredCache:
                 return "in_progress", None
             if key in self._detached or (entry is not None and entry.doomed):
                 return "in_progress", None
-            if any(key in lw.index for lw in self._lower):
+            if self._lower.local_tier(key) is not None:
                 return "already_stored", None
         slot = self._allocate(key, nbytes, owner, deadline)
         return ("reserved", slot) if slot is not None else ("no_space", None)
@@ -318,8 +292,11 @@ class TieredCache:
     ) -> int:
         keys = self._keys(namespace_id, chunk_hashes)
         with self._lock:
-            owned = [k for k in keys if (e := self._entries.get(k)) and not e.ready
-                     and e.owner == session_id]
+            owned = [
+                k
+                for k in keys
+                if (e := self._entries.get(k)) and not e.ready and e.owner == session_id
+            ]
         return self._abort_keys(owned)
 
     def _abort_keys(self, keys: Sequence[ChunkKey]) -> int:
@@ -394,82 +371,41 @@ class TieredCache:
 
     def _promote(self, keys: list[ChunkKey], nbytes: int) -> tuple[list[ChunkKey], list[str]]:
         """Copy a contiguous run of chunks up from lower tiers; returns the pinned prefix."""
-        plan = self._promotion_sources(keys)
-        reserved: list[tuple[ChunkKey, _Lower]] = []
-        for key, lw in plan:
-            if self._allocate(key, nbytes, owner="promotion", deadline=float("inf")) is None:
+        with self._lock:
+            num = next(
+                (i for i, k in enumerate(keys) if k in self._entries or k in self._detached),
+                len(keys),
+            )
+        reserved: list[tuple[ChunkKey, LowerTier, memoryview]] = []
+        for key, source in zip(keys, self._lower.sources(keys[:num])):
+            slot = self._allocate(key, nbytes, owner="promotion", deadline=float("inf"))
+            if slot is None:
                 break
-            reserved.append((key, lw))
-        ok = self._read_up(reserved)
+            reserved.append((key, source, self._first.view(slot)))
+        try:
+            ok = self._lower.read_up(reserved)
+        except BaseException:
+            with self._lock:
+                for key, _, _ in reserved:
+                    self._free(key)
+            raise
         pinned: list[ChunkKey] = []
         sources: list[str] = []
         contiguous = True
         with self._lock:
-            for key, lw in reserved:
-                entry = self._entries[key]
-                if not ok[key]:
+            for (key, source, _), good in zip(reserved, ok):
+                contiguous = contiguous and good
+                if not good:
                     self._free(key)
-                    contiguous = False
                     continue
+                entry = self._entries[key]
                 entry.ready, entry.owner = True, None
                 self.metrics.promotions.labels(tier=self._first.name).inc()
-                if contiguous:
+                if contiguous:  # later chunks stay promoted, but only a prefix is leased
                     entry.pins += 1
                     pinned.append(key)
-                    sources.append(lw.tier.name)
+                    sources.append(source.tier.name)
         return pinned, sources
-
-    def _promotion_sources(self, keys: list[ChunkKey]) -> list[tuple[ChunkKey, _Lower]]:
-        plan: list[tuple[ChunkKey, _Lower]] = []
-        with self._lock:
-            for key in keys:
-                if key in self._entries or key in self._detached:
-                    break
-                lw = next((lw for lw in self._lower if key in lw.index), None)
-                if lw is None:
-                    break
-                plan.append((key, lw))
-        rest = keys[len(plan) :]
-        for lw in (lw for lw in self._lower if lw.tier.shared):
-            if not rest:
-                break
-            try:
-                present = lw.tier.contains_many(rest)
-            except TierError as e:
-                self._tier_failed(lw.tier, e)
-                continue
-            num = next((i for i, p in enumerate(present) if not p), len(present))
-            plan += [(key, lw) for key in rest[:num]]
-            rest = rest[num:]
-        return plan
-
-    def _read_up(self, reserved: list[tuple[ChunkKey, _Lower]]) -> dict[ChunkKey, bool]:
-        """Read reserved chunks from their lower tiers into their first-tier slots."""
-        ok: dict[ChunkKey, bool] = {}
-        by_tier: dict[int, list[tuple[ChunkKey, memoryview]]] = {}
-        for key, lw in reserved:
-            view = self._first.view(self._entries[key].slot)
-            by_tier.setdefault(id(lw), []).append((key, view))
-        for lw in self._lower:
-            items = by_tier.get(id(lw))
-            if not items:
-                continue
-            try:
-                results = lw.tier.read_many_into(items)
-            except TierError as e:
-                self._tier_failed(lw.tier, e)
-                results = [False] * len(items)
-            for (key, view), good in zip(items, results):
-                ok[key] = good
-                if good:
-                    self.metrics.bytes_read.labels(tier=lw.tier.name).inc(len(view))
-                with self._lock:
-                    if good:
-                        if key in lw.index:
-                            lw.index.move_to_end(key)
-                    else:
-                        lw.index.pop(key, None)
-        return ok
 
     def release_load(self, lease_id: str) -> bool:
         with self._lock:
@@ -511,9 +447,8 @@ class TieredCache:
 
     def delete(self, namespace_id: bytes, chunk_hashes: Sequence[bytes]) -> int:
         """Remove the chunks from every tier; returns how many were present anywhere."""
-        keys = self._keys(namespace_id, chunk_hashes)
         num = 0
-        for key in keys:
+        for key in self._keys(namespace_id, chunk_hashes):
             found = False
             with self._lock:
                 entry = self._entries.get(key)
@@ -523,15 +458,7 @@ class TieredCache:
                         entry.doomed = True
                     else:
                         self._free(key)
-                lowers = [lw for lw in self._lower if key in lw.index or lw.tier.shared]
-                for lw in lowers:
-                    lw.index.pop(key, None)
-            for lw in lowers:
-                try:
-                    found = lw.tier.delete(key) > 0 or found
-                except TierError as e:
-                    self._tier_failed(lw.tier, e)
-            num += found
+            num += self._lower.delete(key) or found
         return num
 
     # -- eviction and demotion -------------------------------------------------------------
@@ -563,58 +490,13 @@ class TieredCache:
                 del self._entries[key]
                 self._detached.add(key)
         for key, slot in victims:
-            self._demote(key, self._first.view(slot), below=0)
+            self._lower.demote(key, self._first.view(slot))
         with self._lock:
             for key, _ in victims:
                 self._detached.discard(key)
                 self._first.delete(key)
         self.metrics.evictions.labels(tier=self._first.name).inc(len(victims))
         return len(victims)
-
-    def _demote(self, key: ChunkKey, data: memoryview, below: int) -> None:
-        """Give an evicted chunk to the first lower tier (after ``below``) that takes it."""
-        for i, lw in enumerate(self._lower[below:], start=below + 1):
-            if key in lw.index:
-                return  # already there (written through, or promoted from there)
-            if not lw.policy.accept_demotions:
-                continue
-            if self._put_lower(i, key, data):
-                self.metrics.demotions.labels(tier=lw.tier.name).inc()
-                return
-
-    def _put_lower(self, position: int, key: ChunkKey, data: Buffer) -> bool:
-        """Put into lower tier ``position`` (1-based in ``tiers``), evicting its LRU if full."""
-        lw = self._lower[position - 1]
-        while True:
-            try:
-                if lw.tier.put(key, data):
-                    with self._lock:
-                        lw.index[key] = len(data)
-                    self.metrics.bytes_written.labels(tier=lw.tier.name).inc(len(data))
-                    return True
-            except TierError as e:
-                self._tier_failed(lw.tier, e)
-                return False
-            if not self._evict_lower(position):
-                return False
-
-    def _evict_lower(self, position: int) -> bool:
-        """Evict the least recently used chunk of a lower tier, demoting it further down."""
-        lw = self._lower[position - 1]
-        with self._lock:
-            if not lw.index:
-                return False
-            key, size = lw.index.popitem(last=False)
-        try:
-            if any(x.policy.accept_demotions for x in self._lower[position:]):
-                data = bytearray(size)
-                if lw.tier.read_into(key, memoryview(data)):
-                    self._demote(key, memoryview(data), below=position)
-            lw.tier.delete(key)
-        except TierError as e:
-            self._tier_failed(lw.tier, e)
-        self.metrics.evictions.labels(tier=lw.tier.name).inc()
-        return True
 
     # -- write-through ---------------------------------------------------------------------
 
@@ -623,36 +505,18 @@ class TieredCache:
         return self._write_through.flush(timeout_s)
 
     def _copy_through(self, keys: list[ChunkKey]) -> None:
-        """Copy committed chunks to every write-through tier (runs on the background thread)."""
+        """Copy committed chunks to the write-through tiers (runs on the background thread)."""
         with self._lock:
             pinned = [k for k in keys if (e := self._entries.get(k)) and e.ready and not e.doomed]
             for key in pinned:
                 self._entries[key].pins += 1
-            slots = {k: self._entries[k].slot for k in pinned}
+            slots = [self._entries[k].slot for k in pinned]
         try:
-            for position, lw in enumerate(self._lower, start=1):
-                if lw.policy.write_through:
-                    self._copy_to(position, lw, [(k, self._first.view(slots[k])) for k in pinned])
+            self._lower.copy_through([(k, self._first.view(s)) for k, s in zip(pinned, slots)])
         finally:
             with self._lock:
                 for key in pinned:
                     self._unpin(key)
-
-    def _copy_to(self, position: int, lw: _Lower, items: list[tuple[ChunkKey, memoryview]]) -> None:
-        with self._lock:
-            items = [(k, v) for k, v in items if k not in lw.index]
-        try:
-            results = lw.tier.put_many(items)
-        except TierError as e:
-            self._tier_failed(lw.tier, e)
-            return
-        for (key, view), stored in zip(items, results):
-            if stored:
-                with self._lock:
-                    lw.index[key] = len(view)
-                self.metrics.bytes_written.labels(tier=lw.tier.name).inc(len(view))
-            else:
-                self._put_lower(position, key, view)
 
     # -- expiry ----------------------------------------------------------------------------
 
@@ -661,8 +525,11 @@ class TieredCache:
         now = time.monotonic() if now is None else now
         with self._lock:
             lease_ids = [i for i, lease in self._leases.items() if lease.deadline <= now]
-            stale = [k for k, e in self._entries.items()
-                     if not e.ready and e.pins == 0 and e.deadline <= now]
+            stale = [
+                k
+                for k, e in self._entries.items()
+                if not e.ready and e.pins == 0 and e.deadline <= now
+            ]
         for lease_id in lease_ids:
             self.release_load(lease_id)
         num_stale = self._abort_keys(stale)
@@ -692,10 +559,6 @@ class TieredCache:
     def num_pending_stores(self) -> int:
         with self._lock:
             return sum(1 for e in self._entries.values() if not e.ready)
-
-    def _tier_failed(self, tier: Tier, error: TierError) -> None:
-        log.warning("tier %s failed: %s", tier.name, error)
-        self.metrics.errors.labels(kind=error.kind).inc()
 
     def stats(self) -> CacheStats:
         with self._lock:

@@ -43,8 +43,9 @@ def _parser() -> argparse.ArgumentParser:
     for flag, (_, _, text) in _SERVE_SWITCHES.items():
         serve.add_argument(flag, action="store_true", help=text)
     stats = sub.add_parser("stats", help="print the tiers' state of a running server")
-    stats.add_argument("--url", help="server address: socket path or host:port "
-                       "(default: the default socket path)")
+    stats.add_argument(
+        "--url", help="server address: socket path or host:port (default: the default socket path)"
+    )
     stats.add_argument("--json", action="store_true", help="print JSON")
     stats.add_argument("--timeout", type=float, default=5.0)
     return parser
@@ -82,13 +83,17 @@ def _stats(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(stats, indent=2))
         return 0
-    print(f"lmcache-svc {stats['version']}: {stats['active_leases']} leases, "
-          f"{stats['pending_stores']} pending stores, {stats['num_namespaces']} namespaces")
+    print(
+        f"lmcache-svc {stats['version']}: {stats['active_leases']} leases, "
+        f"{stats['pending_stores']} pending stores, {stats['num_namespaces']} namespaces"
+    )
     print(f"{'tier':<8} {'used':>12} {'capacity':>12} {'use':>6} {'chunks':>9}")
     for t in stats["tiers"]:
         use = t["used_bytes"] / t["capacity_bytes"] if t["capacity_bytes"] else 0.0
-        print(f"{t['name']:<8} {_size(t['used_bytes']):>12} {_size(t['capacity_bytes']):>12} "
-              f"{use:>6.1%} {t['num_chunks']:>9}")
+        print(
+            f"{t['name']:<8} {_size(t['used_bytes']):>12} {_size(t['capacity_bytes']):>12} "
+            f"{use:>6.1%} {t['num_chunks']:>9}"
+        )
     return 0
 
 

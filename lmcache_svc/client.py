@@ -115,8 +115,11 @@ def convert_rpc_error(error: grpc.RpcError) -> errors.LMCacheSvcError:
 def _put_parts(namespace_id: bytes, items: Sequence[tuple[bytes, Any]]) -> Iterator[pb.ChunkPart]:
     for chunk_hash, data in items:
         view = memoryview(data).cast("B")
-        yield pb.ChunkPart(header=pb.ChunkHeader(
-            namespace_id=namespace_id, chunk_hash=chunk_hash, length=len(view)))
+        yield pb.ChunkPart(
+            header=pb.ChunkHeader(
+                namespace_id=namespace_id, chunk_hash=chunk_hash, length=len(view)
+            )
+        )
         for i in range(0, len(view), PIECE_BYTES):
             yield pb.ChunkPart(data=bytes(view[i : i + PIECE_BYTES]))
 
@@ -156,8 +159,12 @@ def _stats_dict(resp: pb.StatsResponse) -> dict[str, Any]:
         "pending_stores": resp.pending_stores,
         "num_namespaces": resp.num_namespaces,
         "tiers": [
-            {"name": t.name, "capacity_bytes": t.capacity_bytes, "used_bytes": t.used_bytes,
-             "num_chunks": t.num_chunks}
+            {
+                "name": t.name,
+                "capacity_bytes": t.capacity_bytes,
+                "used_bytes": t.used_bytes,
+                "num_chunks": t.num_chunks,
+            }
             for t in resp.tiers
         ],
     }
@@ -293,28 +300,39 @@ class CacheClient:
     # -- namespaces and lookup -----------------------------------------------------------
 
     def register_namespace(self, namespace: Namespace) -> NamespaceId:
-        resp = self._call("RegisterNamespace",
-                          pb.RegisterNamespaceRequest(namespace=namespace_to_pb(namespace)))
+        resp = self._call(
+            "RegisterNamespace", pb.RegisterNamespaceRequest(namespace=namespace_to_pb(namespace))
+        )
         self._namespaces[bytes(resp.namespace_id)] = namespace
         return NamespaceId(bytes(resp.namespace_id))
 
     def lookup(
         self, namespace_id: bytes, chunk_hashes: Sequence[bytes], *, timeout_s: float | None = None
     ) -> LookupResult:
-        resp = self._ns_call("Lookup", pb.LookupRequest(
-            namespace_id=namespace_id, chunk_hashes=chunk_hashes), timeout_s)
+        resp = self._ns_call(
+            "Lookup",
+            pb.LookupRequest(namespace_id=namespace_id, chunk_hashes=chunk_hashes),
+            timeout_s,
+        )
         return LookupResult(resp.num_hit_chunks, list(resp.tiers))
 
     # -- shared-memory path --------------------------------------------------------------
 
     def prepare_store(self, namespace_id: bytes, chunk_hashes: Sequence[bytes]) -> list[StoreSlot]:
         """Reserve slots; write each 'reserved' buffer, then ``commit_store`` those hashes."""
-        session, resp = self._session_call("PrepareStore", lambda sid: pb.PrepareStoreRequest(
-            namespace_id=namespace_id, chunk_hashes=chunk_hashes, session_id=sid))
+        session, resp = self._session_call(
+            "PrepareStore",
+            lambda sid: pb.PrepareStoreRequest(
+                namespace_id=namespace_id, chunk_hashes=chunk_hashes, session_id=sid
+            ),
+        )
         mapping = self._mapping_for(session, resp.segment_name)
         return [
-            StoreSlot(s.chunk_hash, _STATUS_NAMES[s.status],
-                      mapping.view(s.offset, s.length) if s.status == pb.RESERVED else None)
+            StoreSlot(
+                s.chunk_hash,
+                _STATUS_NAMES[s.status],
+                mapping.view(s.offset, s.length) if s.status == pb.RESERVED else None,
+            )
             for s in resp.slots
         ]
 
@@ -322,15 +340,25 @@ class CacheClient:
         self, namespace_id: bytes, chunk_hashes: Sequence[bytes], *, abort: bool = False
     ) -> int:
         session = self._live_session()
-        resp = self._ns_call("CommitStore", pb.CommitStoreRequest(
-            namespace_id=namespace_id, chunk_hashes=chunk_hashes,
-            session_id=session.session_id, abort=abort))
+        resp = self._ns_call(
+            "CommitStore",
+            pb.CommitStoreRequest(
+                namespace_id=namespace_id,
+                chunk_hashes=chunk_hashes,
+                session_id=session.session_id,
+                abort=abort,
+            ),
+        )
         return int(resp.num_committed)
 
     def prepare_load(self, namespace_id: bytes, chunk_hashes: Sequence[bytes]) -> LoadLease:
         """Lease the longest available prefix; read the buffers, then ``release_load``."""
-        session, resp = self._session_call("PrepareLoad", lambda sid: pb.PrepareLoadRequest(
-            namespace_id=namespace_id, chunk_hashes=chunk_hashes, session_id=sid))
+        session, resp = self._session_call(
+            "PrepareLoad",
+            lambda sid: pb.PrepareLoadRequest(
+                namespace_id=namespace_id, chunk_hashes=chunk_hashes, session_id=sid
+            ),
+        )
         if not resp.lease_id:
             return LoadLease(None)
         mapping = self._mapping_for(session, resp.segment_name)
@@ -339,7 +367,9 @@ class CacheClient:
     def release_load(self, lease: LoadLease) -> bool:
         if lease.lease_id is None:
             return False
-        return bool(self._call("ReleaseLoad", pb.ReleaseLoadRequest(lease_id=lease.lease_id)).released)
+        return bool(
+            self._call("ReleaseLoad", pb.ReleaseLoadRequest(lease_id=lease.lease_id)).released
+        )
 
     def _mapping_for(self, session: _Session, segment_name: str) -> ArenaMapping:
         if session.mapping is None:
@@ -354,7 +384,9 @@ class CacheClient:
 
     # -- convenience and inline transfers ------------------------------------------------
 
-    def store(self, namespace_id: bytes, chunk_hashes: Sequence[bytes], buffers: Sequence[Any]) -> int:
+    def store(
+        self, namespace_id: bytes, chunk_hashes: Sequence[bytes], buffers: Sequence[Any]
+    ) -> int:
         """Store chunks (shared memory when available, else inline); returns chunks now stored."""
         if not self.shm_available:
             return self.put(namespace_id, list(zip(chunk_hashes, buffers)))
@@ -388,8 +420,11 @@ class CacheClient:
     def put(self, namespace_id: bytes, items: Sequence[tuple[bytes, Any]]) -> int:
         """Inline store (streamed); returns the chunks stored (or already stored)."""
         try:
-            resp = self._stub.Put(_put_parts(namespace_id, items), timeout=self._bulk_timeout(items),
-                                  metadata=self._metadata)
+            resp = self._stub.Put(
+                _put_parts(namespace_id, items),
+                timeout=self._bulk_timeout(items),
+                metadata=self._metadata,
+            )
         except grpc.RpcError as e:
             raise convert_rpc_error(e) from None
         return int(resp.num_stored)
@@ -398,10 +433,11 @@ class CacheClient:
         """Inline load (streamed); None for each chunk not found."""
         assembler = _GetAssembler()
         try:
-            for part in self._stub.Get(pb.GetRequest(namespace_id=namespace_id,
-                                                      chunk_hashes=chunk_hashes),
-                                       timeout=self.timeout_s * max(1, len(chunk_hashes)),
-                                       metadata=self._metadata):
+            for part in self._stub.Get(
+                pb.GetRequest(namespace_id=namespace_id, chunk_hashes=chunk_hashes),
+                timeout=self.timeout_s * max(1, len(chunk_hashes)),
+                metadata=self._metadata,
+            ):
                 assembler.feed(part)
         except grpc.RpcError as e:
             raise convert_rpc_error(e) from None
@@ -411,8 +447,9 @@ class CacheClient:
         return self.timeout_s * max(1, len(items))
 
     def delete(self, namespace_id: bytes, chunk_hashes: Sequence[bytes]) -> int:
-        resp = self._ns_call("Delete", pb.DeleteRequest(namespace_id=namespace_id,
-                                                         chunk_hashes=chunk_hashes))
+        resp = self._ns_call(
+            "Delete", pb.DeleteRequest(namespace_id=namespace_id, chunk_hashes=chunk_hashes)
+        )
         return int(resp.num_deleted)
 
     def stats(self) -> dict[str, Any]:
@@ -454,7 +491,9 @@ def _first_event(stream: Any, timeout_s: float) -> pb.SessionEvent:
 class AsyncCacheClient:
     """asyncio client over inline transfers (for tools and remote callers)."""
 
-    def __init__(self, address: str, *, timeout_s: float = 5.0, auth_token: str | None = None) -> None:
+    def __init__(
+        self, address: str, *, timeout_s: float = 5.0, auth_token: str | None = None
+    ) -> None:
         self._target = grpc_target(address)
         self.timeout_s = timeout_s
         self._metadata = (("authorization", f"Bearer {auth_token}"),) if auth_token else ()
@@ -476,7 +515,8 @@ class AsyncCacheClient:
     async def _call(self, method: str, request: Any) -> Any:
         try:
             return await getattr(self._stub, method)(
-                request, timeout=self.timeout_s, metadata=self._metadata)
+                request, timeout=self.timeout_s, metadata=self._metadata
+            )
         except grpc.RpcError as e:
             raise convert_rpc_error(e) from None
 
@@ -491,21 +531,25 @@ class AsyncCacheClient:
             return await self._call(method, request)
 
     async def register_namespace(self, namespace: Namespace) -> NamespaceId:
-        resp = await self._call("RegisterNamespace",
-                                pb.RegisterNamespaceRequest(namespace=namespace_to_pb(namespace)))
+        resp = await self._call(
+            "RegisterNamespace", pb.RegisterNamespaceRequest(namespace=namespace_to_pb(namespace))
+        )
         self._namespaces[bytes(resp.namespace_id)] = namespace
         return NamespaceId(bytes(resp.namespace_id))
 
     async def lookup(self, namespace_id: bytes, chunk_hashes: Sequence[bytes]) -> LookupResult:
-        resp = await self._ns_call("Lookup", pb.LookupRequest(
-            namespace_id=namespace_id, chunk_hashes=chunk_hashes))
+        resp = await self._ns_call(
+            "Lookup", pb.LookupRequest(namespace_id=namespace_id, chunk_hashes=chunk_hashes)
+        )
         return LookupResult(resp.num_hit_chunks, list(resp.tiers))
 
     async def put(self, namespace_id: bytes, items: Sequence[tuple[bytes, Any]]) -> int:
         try:
-            resp = await self._stub.Put(_put_parts(namespace_id, items),
-                                        timeout=self.timeout_s * max(1, len(items)),
-                                        metadata=self._metadata)
+            resp = await self._stub.Put(
+                _put_parts(namespace_id, items),
+                timeout=self.timeout_s * max(1, len(items)),
+                metadata=self._metadata,
+            )
         except grpc.RpcError as e:
             raise convert_rpc_error(e) from None
         return int(resp.num_stored)
@@ -513,9 +557,11 @@ class AsyncCacheClient:
     async def get(self, namespace_id: bytes, chunk_hashes: Sequence[bytes]) -> list[bytes | None]:
         assembler = _GetAssembler()
         try:
-            call = self._stub.Get(pb.GetRequest(namespace_id=namespace_id, chunk_hashes=chunk_hashes),
-                                  timeout=self.timeout_s * max(1, len(chunk_hashes)),
-                                  metadata=self._metadata)
+            call = self._stub.Get(
+                pb.GetRequest(namespace_id=namespace_id, chunk_hashes=chunk_hashes),
+                timeout=self.timeout_s * max(1, len(chunk_hashes)),
+                metadata=self._metadata,
+            )
             async for part in call:
                 assembler.feed(part)
         except grpc.RpcError as e:
@@ -523,8 +569,9 @@ class AsyncCacheClient:
         return assembler.result()
 
     async def delete(self, namespace_id: bytes, chunk_hashes: Sequence[bytes]) -> int:
-        resp = await self._ns_call("Delete", pb.DeleteRequest(
-            namespace_id=namespace_id, chunk_hashes=chunk_hashes))
+        resp = await self._ns_call(
+            "Delete", pb.DeleteRequest(namespace_id=namespace_id, chunk_hashes=chunk_hashes)
+        )
         return int(resp.num_deleted)
 
     async def stats(self) -> dict[str, Any]:

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import ipaddress
 import os
-import tomllib
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
+import tomllib
 import yaml
 from pydantic import (
     BaseModel,
@@ -33,7 +33,9 @@ ENV_PREFIX = "LMCACHE_SVC_"
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=True)
+    model_config = ConfigDict(
+        extra="forbid", validate_assignment=True, use_attribute_docstrings=True
+    )
 
 
 class CpuConfig(_Section):
@@ -48,7 +50,6 @@ class CpuConfig(_Section):
     prefault: Literal["off", "background", "sync"] = "background"
     """Populate the arena's pages at start-up (first touches are slow): in a background
     thread, before serving, or not at all."""
-
 
     @field_validator("shm_mode", mode="before")
     @classmethod
@@ -102,7 +103,9 @@ class RedisConfig(_Section):
     @model_validator(mode="after")
     def _check_url(self) -> RedisConfig:
         if self.url is not None and not self.url.startswith(("redis://", "rediss://", "unix://")):
-            raise ValueError(f"url must start with redis://, rediss:// or unix://, got {self.url!r}")
+            raise ValueError(
+                f"url must start with redis://, rediss:// or unix://, got {self.url!r}"
+            )
         return self
 
 
@@ -162,7 +165,11 @@ class Config(_Section):
             raise ValueError("no listener: set http_port, grpc_port or socket")
         if self.auth_token is not None and len(self.auth_token) < 16:
             raise ValueError("auth_token must be at least 16 characters")
-        if not _is_loopback(self.host) and self.auth_token is None and not self.allow_unauthenticated:
+        if (
+            not _is_loopback(self.host)
+            and self.auth_token is None
+            and not self.allow_unauthenticated
+        ):
             raise ValueError(
                 f"host {self.host!r} is reachable from other machines: set auth_token "
                 "(or allow_unauthenticated: true if a network policy protects the port)"
@@ -206,7 +213,8 @@ def read_config_file(path: str | os.PathLike[str]) -> dict[str, Any]:
     try:
         data = tomllib.loads(text) if p.suffix == ".toml" else yaml.safe_load(text)
     except (tomllib.TOMLDecodeError, yaml.YAMLError) as e:
-        raise ConfigError(f"config file {p} is not valid {p.suffix.lstrip('.') or 'YAML'}: {e}")
+        kind = p.suffix.lstrip(".") or "YAML"
+        raise ConfigError(f"config file {p} is not valid {kind}: {e}") from None
     if data is None:
         return {}
     if not isinstance(data, dict):
@@ -238,6 +246,10 @@ def format_validation_error(error: ValidationError) -> str:
     lines = ["invalid configuration:"]
     for item in error.errors():
         where = ".".join(str(x) for x in item["loc"]) or "(top level)"
-        got = f" (got {item['input']!r})" if "input" in item and not isinstance(item["input"], dict) else ""
+        got = (
+            f" (got {item['input']!r})"
+            if "input" in item and not isinstance(item["input"], dict)
+            else ""
+        )
         lines.append(f"  {where}: {item['msg']}{got}")
     return "\n".join(lines)

@@ -119,14 +119,18 @@ class Namespace:
         if not isinstance(self.model, str) or not self.model or len(self.model) > 512:
             raise InvalidArgument("namespace model must be a non-empty string of at most 512 chars")
         if not isinstance(self.tenant, str) or not self.tenant or len(self.tenant) > 256:
-            raise InvalidArgument("namespace tenant must be a non-empty string of at most 256 chars")
+            raise InvalidArgument(
+                "namespace tenant must be a non-empty string of at most 256 chars"
+            )
         if not isinstance(self.layout, KVLayout):
             raise InvalidArgument("namespace layout must be a KVLayout")
         self.layout.validate()
         _require_positive_int("chunk_size", self.chunk_size)
         _require_positive_int("tp_size", self.tp_size)
         if not isinstance(self.tp_rank, int) or not 0 <= self.tp_rank < self.tp_size:
-            raise InvalidArgument(f"tp_rank must be in [0, tp_size={self.tp_size}), got {self.tp_rank!r}")
+            raise InvalidArgument(
+                f"tp_rank must be in [0, tp_size={self.tp_size}), got {self.tp_rank!r}"
+            )
         if self.key_version != KEY_FORMAT_VERSION:
             raise InvalidArgument(
                 f"key_version {self.key_version!r} is not supported; this build speaks "

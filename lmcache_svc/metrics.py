@@ -17,7 +17,21 @@ from prometheus_client.registry import Collector
 from lmcache_svc.tiers.base import TierStats
 
 _LATENCY_BUCKETS = (
-    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0,
+    0.0001,
+    0.00025,
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    10.0,
 )
 
 
@@ -47,7 +61,10 @@ class Metrics:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.hits = Counter(
-            "lmcache_svc_chunk_hits", "Chunks found, by the tier that held them", ["tier"], registry=r
+            "lmcache_svc_chunk_hits",
+            "Chunks found, by the tier that held them",
+            ["tier"],
+            registry=r,
         )
         self.misses = Counter(
             "lmcache_svc_chunk_misses", "Chunks asked for and found in no tier", registry=r
@@ -56,18 +73,27 @@ class Metrics:
             "lmcache_svc_lookup_chunks", "Chunks asked about by lookups", registry=r
         )
         self.lookup_hit_chunks = Counter(
-            "lmcache_svc_lookup_hit_chunks", "Chunks of lookups' contiguous hit prefixes", registry=r
+            "lmcache_svc_lookup_hit_chunks",
+            "Chunks of lookups' contiguous hit prefixes",
+            registry=r,
         )
         self.evictions = Counter(
-            "lmcache_svc_evictions", "Chunks evicted from a tier (demoted or dropped)", ["tier"],
+            "lmcache_svc_evictions",
+            "Chunks evicted from a tier (demoted or dropped)",
+            ["tier"],
             registry=r,
         )
         self.promotions = Counter(
-            "lmcache_svc_promotions", "Chunks copied up into a tier from a lower one", ["tier"],
+            "lmcache_svc_promotions",
+            "Chunks copied up into a tier from a lower one",
+            ["tier"],
             registry=r,
         )
         self.demotions = Counter(
-            "lmcache_svc_demotions", "Chunks moved down into a tier on eviction", ["tier"], registry=r
+            "lmcache_svc_demotions",
+            "Chunks moved down into a tier on eviction",
+            ["tier"],
+            registry=r,
         )
         self.bytes_read = Counter(
             "lmcache_svc_read_bytes", "Bytes read from a tier", ["tier"], registry=r
@@ -79,22 +105,28 @@ class Metrics:
             "lmcache_svc_requests", "Requests handled", ["transport", "method", "code"], registry=r
         )
         self.request_latency = Histogram(
-            "lmcache_svc_request_latency_seconds", "Server-side request latency",
-            ["transport", "method"], buckets=_LATENCY_BUCKETS, registry=r,
+            "lmcache_svc_request_latency_seconds",
+            "Server-side request latency",
+            ["transport", "method"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
         )
         self.active_leases = Gauge(
             "lmcache_svc_active_leases", "Load leases currently pinning chunks", registry=r
         )
         self.pending_stores = Gauge(
-            "lmcache_svc_pending_stores", "Slots reserved by PrepareStore and not yet committed",
+            "lmcache_svc_pending_stores",
+            "Slots reserved by PrepareStore and not yet committed",
             registry=r,
         )
         self.errors = Counter(
             "lmcache_svc_errors", "Errors by kind (see lmcache_svc/errors.py)", ["kind"], registry=r
         )
         self.expired = Counter(
-            "lmcache_svc_expired", "Leases and reservations reclaimed by timeout or disconnect",
-            ["what"], registry=r,
+            "lmcache_svc_expired",
+            "Leases and reservations reclaimed by timeout or disconnect",
+            ["what"],
+            registry=r,
         )
 
     def watch_tiers(self, read_tiers: Callable[[], Iterable[TierStats]]) -> None:

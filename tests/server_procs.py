@@ -83,16 +83,34 @@ def start_server(
     ready_file = workdir / "ready.json"
     log_path = (tmp_path or workdir) / f"server-{time.monotonic_ns()}.log"
     cmd = [
-        sys.executable, "-m", "lmcache_svc", "serve",
-        "--socket", socket_path or str(workdir / "grpc.sock"),
-        "--grpc-port", "0", "--http-port", "0", "--cpu-bytes", "256MiB",
-        "--log-level", "info", "--ready-file", str(ready_file), *args,
+        sys.executable,
+        "-m",
+        "lmcache_svc",
+        "serve",
+        "--socket",
+        socket_path or str(workdir / "grpc.sock"),
+        "--grpc-port",
+        "0",
+        "--http-port",
+        "0",
+        "--cpu-bytes",
+        "256MiB",
+        "--log-level",
+        "info",
+        "--ready-file",
+        str(ready_file),
+        *args,
     ]
     run_env = {**os.environ, **(env or {})}
     run_env.setdefault("PYTHONUNBUFFERED", "1")
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=run_env,
-                                cwd=Path(__file__).resolve().parents[1])
+        proc = subprocess.Popen(
+            cmd,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=run_env,
+            cwd=Path(__file__).resolve().parents[1],
+        )
     server = ServerProc(proc, workdir, log_path)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:

@@ -22,8 +22,14 @@ CHUNK = 64 * 1024  # bytes of one chunk in the test namespace
 
 
 def make_namespace(tenant: str = "default") -> Namespace:
-    layout = KVLayout(dtype="uint8", num_layers=1, num_kv_heads=1, head_size=128,
-                      block_size=16, page_layout="test")
+    layout = KVLayout(
+        dtype="uint8",
+        num_layers=1,
+        num_kv_heads=1,
+        head_size=128,
+        block_size=16,
+        page_layout="test",
+    )
     return Namespace(model="m", layout=layout, chunk_size=256, tenant=tenant)
 
 
@@ -40,8 +46,13 @@ def make_chunk(name: str) -> bytes:
 def cache_factory(tmp_path: Path) -> Iterator:
     made: list[TieredCache] = []
 
-    def make(num_chunks: int = 4, *, ssd_chunks: int | None = None, write_through: bool = False,
-             settings: CacheSettings | None = None) -> TieredCache:
+    def make(
+        num_chunks: int = 4,
+        *,
+        ssd_chunks: int | None = None,
+        write_through: bool = False,
+        settings: CacheSettings | None = None,
+    ) -> TieredCache:
         arena = Arena.create(num_chunks * CHUNK, slab_bytes=CHUNK, prefault="off")
         lower = []
         if ssd_chunks is not None:
@@ -141,8 +152,7 @@ def test_prepare_load_leases_only_the_available_prefix(cache_factory) -> None:
 
 def test_reservations_expire_and_late_commits_do_nothing(cache_factory) -> None:
     cache = cache_factory(2)
-    prepared = cache.prepare_store(NS, [make_hash("a"), make_hash("b")], session_id="s1",
-                                   ttl_s=1)
+    prepared = cache.prepare_store(NS, [make_hash("a"), make_hash("b")], session_id="s1", ttl_s=1)
     assert [p.status for p in prepared] == ["reserved", "reserved"]
     assert cache.prepare_store(NS, [make_hash("a")])[0].status == "in_progress"
     assert put(cache, "c") == ["no_space"]  # reserved slots are not evictable

@@ -21,9 +21,11 @@ def test_embedded_defaults_are_safe() -> None:
 def test_file_then_env_then_flags(tmp_path: Path) -> None:
     yaml_file = tmp_path / "c.yaml"
     yaml_file.write_text("http_port: 9000\ncpu:\n  capacity: 2GiB\nssd:\n  path: /var/tmp/x\n")
-    cfg = load_config(yaml_file, env={"LMCACHE_SVC_CPU__CAPACITY": "3GiB",
-                                      "LMCACHE_SVC_GRPC_PORT": "6000"},
-                      overrides={"grpc_port": "7000"})
+    cfg = load_config(
+        yaml_file,
+        env={"LMCACHE_SVC_CPU__CAPACITY": "3GiB", "LMCACHE_SVC_GRPC_PORT": "6000"},
+        overrides={"grpc_port": "7000"},
+    )
     assert cfg.http_port == 9000 and int(cfg.cpu.capacity) == 3 << 30
     assert cfg.grpc_port == 7000 and str(cfg.ssd.path) == "/var/tmp/x"
     toml_file = tmp_path / "c.toml"
@@ -42,8 +44,14 @@ def test_file_then_env_then_flags(tmp_path: Path) -> None:
         ({"LMCACHE_SVC_CACHE__LOW_WATERMARK": "0.99"}, "low_watermark"),
         ({"LMCACHE_SVC_HOST": "0.0.0.0"}, "auth_token"),
         ({"LMCACHE_SVC_AUTH_TOKEN": "short"}, "16 characters"),
-        ({"LMCACHE_SVC_HTTP_PORT": "null", "LMCACHE_SVC_GRPC_PORT": "null",
-          "LMCACHE_SVC_SOCKET": "null"}, "no listener"),
+        (
+            {
+                "LMCACHE_SVC_HTTP_PORT": "null",
+                "LMCACHE_SVC_GRPC_PORT": "null",
+                "LMCACHE_SVC_SOCKET": "null",
+            },
+            "no listener",
+        ),
     ],
 )
 def test_bad_values_name_the_field(env: dict[str, str], message: str) -> None:
@@ -52,8 +60,9 @@ def test_bad_values_name_the_field(env: dict[str, str], message: str) -> None:
 
 
 def test_exposed_host_is_allowed_with_a_token() -> None:
-    cfg = load_config(env={"LMCACHE_SVC_HOST": "0.0.0.0",
-                           "LMCACHE_SVC_AUTH_TOKEN": "a-long-enough-token"})
+    cfg = load_config(
+        env={"LMCACHE_SVC_HOST": "0.0.0.0", "LMCACHE_SVC_AUTH_TOKEN": "a-long-enough-token"}
+    )
     assert cfg.host == "0.0.0.0"
 
 

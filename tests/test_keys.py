@@ -23,8 +23,14 @@ from lmcache_svc.keys import (
 
 
 def make_namespace(**overrides: object) -> Namespace:
-    layout = KVLayout(dtype="bfloat16", num_layers=4, num_kv_heads=2, head_size=64,
-                      block_size=128, page_layout="vllm-cpu/HNC")
+    layout = KVLayout(
+        dtype="bfloat16",
+        num_layers=4,
+        num_kv_heads=2,
+        head_size=64,
+        block_size=128,
+        page_layout="vllm-cpu/HNC",
+    )
     fields: dict[str, object] = {"model": "tiny-llama", "layout": layout, "chunk_size": 4}
     fields.update(overrides)
     return Namespace(**fields)  # type: ignore[arg-type]
@@ -80,11 +86,18 @@ def test_same_tokens_same_keys_in_any_container() -> None:
 
 
 def test_keys_do_not_depend_on_python_hash_seed() -> None:
-    code = ("from tests.test_keys import make_namespace; from lmcache_svc.keys import chunk_hashes;"
-            "print(chunk_hashes(make_namespace(), list(range(10)))[1].hex())")
+    code = (
+        "from tests.test_keys import make_namespace; from lmcache_svc.keys import chunk_hashes;"
+        "print(chunk_hashes(make_namespace(), list(range(10)))[1].hex())"
+    )
     for seed in ("0", "12345"):
-        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                             env={**os.environ, "PYTHONHASHSEED": seed}, check=True)
+        out = subprocess.run(
+            [sys.executable, "-c", code],
+            capture_output=True,
+            text=True,
+            env={**os.environ, "PYTHONHASHSEED": seed},
+            check=True,
+        )
         assert out.stdout.strip() == GOLDEN_HASHES[1]
 
 
@@ -122,9 +135,15 @@ def test_bad_token_ids_are_rejected(tokens: list) -> None:
 
 @pytest.mark.parametrize(
     "overrides",
-    [{"model": ""}, {"chunk_size": 0}, {"tp_rank": 2, "tp_size": 2}, {"tenant": ""},
-     {"key_version": 2}, {"layout": KVLayout("int4", 1, 1, 1, 1, "x")},
-     {"layout": KVLayout("bfloat16", 0, 1, 1, 1, "x")}],
+    [
+        {"model": ""},
+        {"chunk_size": 0},
+        {"tp_rank": 2, "tp_size": 2},
+        {"tenant": ""},
+        {"key_version": 2},
+        {"layout": KVLayout("int4", 1, 1, 1, 1, "x")},
+        {"layout": KVLayout("bfloat16", 0, 1, 1, 1, "x")},
+    ],
 )
 def test_bad_namespaces_are_rejected(overrides: dict) -> None:
     with pytest.raises(InvalidArgument):

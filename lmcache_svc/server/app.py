@@ -35,36 +35,47 @@ def build_cache(config: Config) -> TieredCache:
     """The tiers in order (CPU arena, then SSD and Redis when configured) and the policy."""
     c = config.cpu
     arena = Arena.create(
-        int(c.capacity), slab_bytes=int(c.slab), name=c.shm_name, mode=c.shm_mode,
+        int(c.capacity),
+        slab_bytes=int(c.slab),
+        name=c.shm_name,
+        mode=c.shm_mode,
         prefault=c.prefault,
     )
     lower: list[tuple[Tier, TierPolicy]] = []
     try:
-        if config.ssd.path is not None:
+        s = config.ssd
+        if s.path is not None:
             from lmcache_svc.tiers.ssd import SsdTier
 
-            s = config.ssd
-            tier = SsdTier(s.path, int(s.capacity), fsync=s.fsync, o_direct=s.o_direct)
-            lower.append((tier, TierPolicy(s.accept_demotions, s.write_through)))
-        if config.redis.url is not None:
+            ssd = SsdTier(s.path, int(s.capacity), fsync=s.fsync, o_direct=s.o_direct)
+            lower.append((ssd, TierPolicy(s.accept_demotions, s.write_through)))
+        r = config.redis
+        if r.url is not None:
             from lmcache_svc.tiers.redis import RedisTier
 
-            r = config.redis
-            tier = RedisTier(
-                r.url, int(r.capacity), cluster=r.cluster, ttl_s=r.ttl_s,
-                num_connections=r.connections, key_prefix=r.key_prefix, timeout_s=r.timeout_s,
+            redis = RedisTier(
+                r.url,
+                int(r.capacity),
+                cluster=r.cluster,
+                ttl_s=r.ttl_s,
+                num_connections=r.connections,
+                key_prefix=r.key_prefix,
+                timeout_s=r.timeout_s,
             )
-            lower.append((tier, TierPolicy(r.accept_demotions, r.write_through)))
+            lower.append((redis, TierPolicy(r.accept_demotions, r.write_through)))
     except BaseException:
         arena.close()
-        for tier, _ in lower:
-            tier.close()
+        for made, _ in lower:
+            made.close()
         raise
     k = config.cache
     settings = CacheSettings(
-        high_watermark=k.high_watermark, low_watermark=k.low_watermark,
-        lease_ttl_s=k.lease_ttl_s, max_lease_ttl_s=k.max_lease_ttl_s,
-        reservation_ttl_s=k.reservation_ttl_s, max_chunks_per_request=k.max_chunks_per_request,
+        high_watermark=k.high_watermark,
+        low_watermark=k.low_watermark,
+        lease_ttl_s=k.lease_ttl_s,
+        max_lease_ttl_s=k.max_lease_ttl_s,
+        reservation_ttl_s=k.reservation_ttl_s,
+        max_chunks_per_request=k.max_chunks_per_request,
     )
     return TieredCache(CpuTier(arena), lower, settings=settings, metrics=Metrics())
 
@@ -120,7 +131,9 @@ class Service:
         cache = build_cache(cfg)
         cache.start()
         grpc_server, servicer, health = build_grpc_server(
-            cache, max_body_bytes=int(cfg.max_body_bytes), workers=cfg.grpc_workers,
+            cache,
+            max_body_bytes=int(cfg.max_body_bytes),
+            workers=cfg.grpc_workers,
             auth_token=cfg.auth_token,
         )
         addresses: dict[str, Any] = {"shm": cache.segment().name, "pid": os.getpid()}
@@ -143,10 +156,12 @@ class Service:
             if cfg.http_port is not None:
                 sock = _bind_tcp(cfg.host, cfg.http_port)
                 addresses["http"] = f"http://{_host_port(cfg.host, sock.getsockname()[1])}"
-                app = create_app(cache, auth_token=cfg.auth_token,
-                                 max_body_bytes=int(cfg.max_body_bytes))
-                http = _Uvicorn(uvicorn.Config(app, log_level="warning", access_log=False,
-                                               lifespan="off"))
+                app = create_app(
+                    cache, auth_token=cfg.auth_token, max_body_bytes=int(cfg.max_body_bytes)
+                )
+                http = _Uvicorn(
+                    uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off")
+                )
                 http_task = asyncio.create_task(http.serve(sockets=[sock]))
             self._announce(addresses)
             await self._stop.wait()

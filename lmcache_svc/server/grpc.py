@@ -23,9 +23,9 @@ from lmcache_svc.cache import TieredCache
 from lmcache_svc.errors import (
     InvalidArgument,
     LMCacheSvcError,
-    UnknownSession,
     PayloadTooLarge,
     SizeMismatch,
+    UnknownSession,
 )
 from lmcache_svc.keys import check_chunk_hash
 from lmcache_svc.server.auth import check_bearer
@@ -91,7 +91,9 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
     @_rpc
     async def RegisterNamespace(self, request: Any, context: Any) -> pb.RegisterNamespaceResponse:
         ns = self._cache.register_namespace(namespace_from_pb(request.namespace))
-        return pb.RegisterNamespaceResponse(namespace_id=ns.namespace_id, chunk_bytes=ns.chunk_bytes)
+        return pb.RegisterNamespaceResponse(
+            namespace_id=ns.namespace_id, chunk_bytes=ns.chunk_bytes
+        )
 
     async def OpenSession(self, request: Any, context: Any) -> AsyncIterator[pb.SessionEvent]:
         session_id = self._cache.open_session()
@@ -100,8 +102,11 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
         try:
             yield pb.SessionEvent(
                 session_id=session_id,
-                segments=[pb.Segment(transport=seg.transport, name=seg.name, size=seg.size,
-                                     nonce=seg.nonce)],
+                segments=[
+                    pb.Segment(
+                        transport=seg.transport, name=seg.name, size=seg.size, nonce=seg.nonce
+                    )
+                ],
             )
             await self._stopping.wait()
         finally:
@@ -126,13 +131,18 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
     async def PrepareStore(self, request: Any, context: Any) -> pb.PrepareStoreResponse:
         self._check_session(request.session_id)
         prepared = await self._run(
-            self._cache.prepare_store, request.namespace_id, request.chunk_hashes,
-            session_id=request.session_id or None, ttl_s=request.ttl_ms / 1000,
+            self._cache.prepare_store,
+            request.namespace_id,
+            request.chunk_hashes,
+            session_id=request.session_id or None,
+            ttl_s=request.ttl_ms / 1000,
         )
         slots = [
             pb.PreparedSlot(
-                chunk_hash=p.chunk_hash, status=_STORE_STATUS[p.status],
-                offset=p.slot.offset if p.slot else 0, length=p.slot.length if p.slot else 0,
+                chunk_hash=p.chunk_hash,
+                status=_STORE_STATUS[p.status],
+                offset=p.slot.offset if p.slot else 0,
+                length=p.slot.length if p.slot else 0,
             )
             for p in prepared
         ]
@@ -150,8 +160,11 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
     async def PrepareLoad(self, request: Any, context: Any) -> pb.PrepareLoadResponse:
         self._check_session(request.session_id)
         lease = await self._run(
-            self._cache.prepare_load, request.namespace_id, request.chunk_hashes,
-            session_id=request.session_id or None, ttl_s=request.ttl_ms / 1000,
+            self._cache.prepare_load,
+            request.namespace_id,
+            request.chunk_hashes,
+            session_id=request.session_id or None,
+            ttl_s=request.ttl_ms / 1000,
         )
         slots = [
             pb.SlotRef(chunk_hash=h, offset=s.offset, length=s.length)
@@ -208,13 +221,22 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
             for h in keys:
                 found = await self._run(self._cache.get, request.namespace_id, h)
                 if found is None:
-                    yield pb.ChunkPart(header=pb.ChunkHeader(
-                        namespace_id=request.namespace_id, chunk_hash=h, found=False))
+                    yield pb.ChunkPart(
+                        header=pb.ChunkHeader(
+                            namespace_id=request.namespace_id, chunk_hash=h, found=False
+                        )
+                    )
                     continue
                 data, tier = found
-                yield pb.ChunkPart(header=pb.ChunkHeader(
-                    namespace_id=request.namespace_id, chunk_hash=h, length=len(data),
-                    found=True, tier=tier))
+                yield pb.ChunkPart(
+                    header=pb.ChunkHeader(
+                        namespace_id=request.namespace_id,
+                        chunk_hash=h,
+                        length=len(data),
+                        found=True,
+                        tier=tier,
+                    )
+                )
                 for i in range(0, len(data), PIECE_BYTES):
                     yield pb.ChunkPart(data=data[i : i + PIECE_BYTES])
         except LMCacheSvcError as e:
@@ -237,10 +259,19 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
     async def Stats(self, request: Any, context: Any) -> pb.StatsResponse:
         s = self._cache.stats()
         return pb.StatsResponse(
-            tiers=[pb.TierState(name=t.name, capacity_bytes=t.capacity_bytes,
-                                used_bytes=t.used_bytes, num_chunks=t.num_chunks) for t in s.tiers],
-            active_leases=s.active_leases, pending_stores=s.pending_stores,
-            num_namespaces=s.num_namespaces, version=__version__,
+            tiers=[
+                pb.TierState(
+                    name=t.name,
+                    capacity_bytes=t.capacity_bytes,
+                    used_bytes=t.used_bytes,
+                    num_chunks=t.num_chunks,
+                )
+                for t in s.tiers
+            ],
+            active_leases=s.active_leases,
+            pending_stores=s.pending_stores,
+            num_namespaces=s.num_namespaces,
+            version=__version__,
         )
 
 
@@ -320,7 +351,10 @@ def build_grpc_server(
 
 
 async def set_serving(health_servicer: health.aio.HealthServicer, serving: bool) -> None:
-    status = (health_pb2.HealthCheckResponse.SERVING if serving
-              else health_pb2.HealthCheckResponse.NOT_SERVING)
+    status = (
+        health_pb2.HealthCheckResponse.SERVING
+        if serving
+        else health_pb2.HealthCheckResponse.NOT_SERVING
+    )
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, status)

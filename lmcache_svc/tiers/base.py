@@ -19,11 +19,10 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Union
 
 from lmcache_svc.keys import ChunkKey
 
-Buffer = Union[bytes, bytearray, memoryview]
+Buffer = bytes | bytearray | memoryview
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,7 +120,7 @@ class Tier(ABC):
     def stats(self) -> TierStats:
         return TierStats(self.name, self.capacity_bytes, self.used_bytes, self.num_chunks)
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 - optional hook, most tiers have nothing to do
         """Release resources; the tier is not used afterwards."""
 
 

@@ -28,8 +28,9 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def make_namespace(tenant: str = "default", model: str = "m") -> Namespace:
-    layout = KVLayout("uint8", num_layers=1, num_kv_heads=1, head_size=128, block_size=16,
-                      page_layout="test")
+    layout = KVLayout(
+        "uint8", num_layers=1, num_kv_heads=1, head_size=128, block_size=16, page_layout="test"
+    )
     return Namespace(model=model, layout=layout, chunk_size=256, tenant=tenant)  # 64 KiB chunks
 
 
@@ -48,8 +49,13 @@ def server(tmp_path: Path) -> Iterator[ServerProc]:
 
 
 def run_py(code: str, timeout_s: float = 60) -> str:
-    out = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True,
-                         text=True, timeout=timeout_s, cwd=ROOT)
+    out = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        cwd=ROOT,
+    )
     assert out.returncode == 0, out.stderr
     return out.stdout
 
@@ -118,8 +124,13 @@ def test_a_client_killed_mid_store_gives_its_slots_back(server: ServerProc) -> N
         print(sum(s.status == "reserved" for s in slots), flush=True)
         os.kill(os.getpid(), signal.SIGKILL)
     """
-    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True,
-                          text=True, timeout=60, cwd=ROOT)
+    proc = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+    )
     assert proc.returncode == -signal.SIGKILL and proc.stdout.strip() == "10"
     with CacheClient(server.socket) as c:
         deadline = time.monotonic() + 10
@@ -138,16 +149,34 @@ def raw_stub(server: ServerProc) -> pb_grpc.CacheServiceStub:
     [
         (pb.LookupRequest(namespace_id=b"x", chunk_hashes=[]), "namespace id must be 16 bytes"),
         (pb.LookupRequest(namespace_id=b"\1" * 16, chunk_hashes=[]), "not registered"),
-        (pb.LookupRequest(namespace_id=NS.namespace_id, chunk_hashes=[b"short"]),
-         "chunk hash must be 32 bytes"),
+        (
+            pb.LookupRequest(namespace_id=NS.namespace_id, chunk_hashes=[b"short"]),
+            "chunk hash must be 32 bytes",
+        ),
     ],
 )
 def test_bad_requests_get_invalid_argument(server: ServerProc, request_, message: str) -> None:
     stub = raw_stub(server)
-    stub.RegisterNamespace(pb.RegisterNamespaceRequest(namespace=pb.Namespace(
-        model="m", layout=pb.KVLayout(dtype="uint8", num_layers=1, num_kv_heads=1, head_size=128,
-                                      block_size=16, page_layout="test", kv_planes=2),
-        chunk_size=256, tp_size=1, tenant="default", key_version=1)))
+    stub.RegisterNamespace(
+        pb.RegisterNamespaceRequest(
+            namespace=pb.Namespace(
+                model="m",
+                layout=pb.KVLayout(
+                    dtype="uint8",
+                    num_layers=1,
+                    num_kv_heads=1,
+                    head_size=128,
+                    block_size=16,
+                    page_layout="test",
+                    kv_planes=2,
+                ),
+                chunk_size=256,
+                tp_size=1,
+                tenant="default",
+                key_version=1,
+            )
+        )
+    )
     with pytest.raises(grpc.RpcError) as info:
         stub.Lookup(request_, timeout=5)
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
@@ -226,7 +255,9 @@ def test_health_service_and_metrics_move(server: ServerProc) -> None:
     assert "lmcache_svc_chunk_misses_total 1.0" in text
     assert 'lmcache_svc_tier_chunks{tier="cpu"} 2.0' in text
     assert f'lmcache_svc_written_bytes_total{{tier="cpu"}} {float(2 * NS.chunk_bytes)}' in text
-    assert 'lmcache_svc_requests_total{code="OK",method="PrepareStore",transport="grpc"} 1.0' in text
+    assert (
+        'lmcache_svc_requests_total{code="OK",method="PrepareStore",transport="grpc"} 1.0' in text
+    )
 
 
 def test_auth_token_is_required_when_set(tmp_path: Path) -> None:
@@ -291,21 +322,40 @@ def test_concurrent_clients_with_a_small_arena(tmp_path: Path) -> None:
 def test_bad_config_exits_with_a_clear_message(tmp_path: Path) -> None:
     bad = tmp_path / "bad.yaml"
     bad.write_text("cpu:\n  capacity: lots\ncache:\n  low_watermark: 0.99\n")
-    out = subprocess.run([sys.executable, "-m", "lmcache_svc", "serve", "--config", str(bad)],
-                         capture_output=True, text=True, timeout=60, cwd=ROOT)
+    out = subprocess.run(
+        [sys.executable, "-m", "lmcache_svc", "serve", "--config", str(bad)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+    )
     assert out.returncode == 2
     assert "cpu.capacity" in out.stderr and "low_watermark" in out.stderr
     exposed = subprocess.run(
         [sys.executable, "-m", "lmcache_svc", "serve", "--host", "0.0.0.0"],
-        capture_output=True, text=True, timeout=60, cwd=ROOT)
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+    )
     assert exposed.returncode == 2 and "auth_token" in exposed.stderr
 
 
 def test_stats_command(server: ServerProc) -> None:
-    out = subprocess.run([sys.executable, "-m", "lmcache_svc", "stats", "--url", server.socket],
-                         capture_output=True, text=True, timeout=60, cwd=ROOT)
+    out = subprocess.run(
+        [sys.executable, "-m", "lmcache_svc", "stats", "--url", server.socket],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+    )
     assert out.returncode == 0, out.stderr
     assert "cpu" in out.stdout and "256.0 MiB" in out.stdout
-    down = subprocess.run([sys.executable, "-m", "lmcache_svc", "stats", "--url", "/tmp/nope.sock",
-                           "--timeout", "1"], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    down = subprocess.run(
+        [sys.executable, "-m", "lmcache_svc", "stats", "--url", "/tmp/nope.sock", "--timeout", "1"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+    )
     assert down.returncode == 1 and "unavailable" in down.stderr

@@ -49,8 +49,7 @@ def _redis_cluster(tmp_path: Path, request: pytest.FixtureRequest) -> Tier:
 
     cluster = request.getfixturevalue("redis_cluster")
     prefix = f"contract:{request.node.name}:"
-    return RedisTier(cluster.url, CAPACITY_CHUNKS * (CHUNK + 128), cluster=True,
-                     key_prefix=prefix)
+    return RedisTier(cluster.url, CAPACITY_CHUNKS * (CHUNK + 128), cluster=True, key_prefix=prefix)
 
 
 FACTORIES = {"cpu": _cpu, "ssd": _ssd, "redis": _redis, "redis_cluster": _redis_cluster}
