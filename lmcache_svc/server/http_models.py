@@ -1,0 +1,108 @@
+"""Request and response bodies of the REST API (``server/http.py``), as pydantic models.
+
+Ids and hashes travel as hex strings; they are plain ``str`` here and parsed by the handlers,
+so a malformed one is our 400 (``InvalidArgument``), not a 422 validation error.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
+
+from lmcache_svc.keys import DEFAULT_CHUNK_SIZE, KEY_FORMAT_VERSION, Namespace
+
+
+class StrictModel(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class KVLayoutModel(StrictModel):
+    dtype: StrictStr = Field(examples=["bfloat16"])
+    num_layers: StrictInt
+    num_kv_heads: StrictInt = Field(description="KV heads held by this tensor-parallel rank")
+    head_size: StrictInt
+    block_size: StrictInt
+    page_layout: StrictStr = Field(examples=["vllm-cpu/NHC"])
+    kv_planes: StrictInt = Field(2, description="2 for separate K and V, 1 for MLA")
+
+
+class NamespaceModel(StrictModel):
+    """``Namespace.to_dict()`` form."""
+
+    model: StrictStr
+    layout: KVLayoutModel
+    chunk_size: StrictInt = DEFAULT_CHUNK_SIZE
+    tp_rank: StrictInt = 0
+    tp_size: StrictInt = 1
+    tenant: StrictStr = "default"
+    key_version: StrictInt = KEY_FORMAT_VERSION
+
+    def to_namespace(self) -> Namespace:
+        return Namespace.from_dict(self.model_dump())
+
+
+TokenId = Annotated[StrictInt, Field(ge=0, le=2**32 - 1)]
+HexNamespaceId = Annotated[str, Field(description="namespace id, 32 hex characters")]
+HexChunkHash = Annotated[str, Field(description="chunk hash, 64 hex characters")]
+
+
+class RegisterResponse(BaseModel):
+    namespace_id: HexNamespaceId
+    chunk_bytes: int = Field(description="exact size of one chunk's bytes in this namespace")
+
+
+class KeysRequest(StrictModel):
+    namespace: NamespaceModel | None = Field(None, description="inline; not registered")
+    namespace_id: HexNamespaceId | None = Field(None, description="a registered namespace")
+    token_ids: list[TokenId]
+    include_partial: StrictBool = Field(False, description="also hash a last partial chunk")
+
+
+class KeysResponse(BaseModel):
+    namespace_id: HexNamespaceId
+    chunk_size: int
+    chunk_hashes: list[HexChunkHash]
+
+
+class StoreResponse(BaseModel):
+    status: Literal["stored", "already_stored"]
+
+
+class LookupRequest(StrictModel):
+    namespace_id: HexNamespaceId
+    chunk_hashes: list[HexChunkHash]
+
+
+class LookupResponse(BaseModel):
+    num_hit_chunks: int = Field(description="length of the contiguous prefix found")
+    tiers: list[str] = Field(description="tier holding each chunk of that prefix")
+
+
+class TierStatsModel(BaseModel):
+    name: str
+    capacity_bytes: int
+    used_bytes: int
+    num_chunks: int
+
+
+class StatsResponse(BaseModel):
+    tiers: list[TierStatsModel]
+    active_leases: int
+    pending_stores: int
+    num_namespaces: int
+
+
+class StatusResponse(BaseModel):
+    status: str
+
+
+class ErrorResponse(BaseModel):
+    error: str = Field(description="error kind, e.g. invalid_argument, not_found, no_space")
+    message: str
+    detail: list[dict[str, Any]] | None = Field(None, description="validation errors (422)")
+
+
+def error_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    """OpenAPI ``responses`` entries for these error statuses (422 always included)."""
+    return {s: {"model": ErrorResponse} for s in (*statuses, 422)}
