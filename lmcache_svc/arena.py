@@ -7,12 +7,9 @@ Layout: the first 4096 bytes are a header, ``MAGIC`` then a random 16-byte nonce
 client that maps a same-named segment on another host can tell it is not ours. Slots are
 4096-aligned offsets after it.
 
-Allocation: the usable area is cut into slabs of ``slab_bytes``. A slot's size class is its
-request rounded up to 4096. A free slab is given to one class on demand and carved into
-equal slots (lazily, so handing out a slab costs O(1)); when all its slots are free again it
-goes back to the free-slab pool and may serve another class. A class larger than one slab
-takes a run of contiguous free slabs, one slot per run. Slabs and runs come from the lowest
-free addresses first; a freed slot is the next one its slab hands out.
+Allocation: ``slab.SlabAllocator`` (size classes of 4096-byte multiples, slabs of
+``slab_bytes``, runs of slabs for larger classes) picks the offsets; this module owns the
+memory, the lock and the argument checks.
 
 Pre-faulting: on this VM the first touch of a page is far slower than later ones, so the
 arena allocates and maps its pages at start-up (``posix_fallocate`` + ``MADV_POPULATE_WRITE``,
@@ -38,13 +35,11 @@ import os
 import re
 import secrets
 import threading
-from bisect import insort
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from operator import neg
 from typing import TYPE_CHECKING, Literal
 
 from lmcache_svc.errors import ConfigError, InvalidArgument
+from lmcache_svc.slab import ALIGN, SlabAllocator, round_up
 from lmcache_svc.tiers.base import Slot
 
 if TYPE_CHECKING:
@@ -55,7 +50,6 @@ log = logging.getLogger(__name__)
 SHM_DIR = "/dev/shm"
 MAGIC = b"LMCSVCA1"
 NONCE_BYTES = 16
-ALIGN = 4096
 HEADER_BYTES = 4096
 DEFAULT_SLAB_BYTES = 64 << 20
 PREFAULT_RANGE_BYTES = 64 << 20
@@ -74,157 +68,6 @@ def check_segment_name(name: str) -> str:
             "(at most 200 chars, not starting with '.')"
         )
     return name
-
-
-def round_up(nbytes: int, align: int = ALIGN) -> int:
-    return -(-nbytes // align) * align
-
-
-@dataclass(slots=True)
-class _Slab:
-    """One slab given to one size class and carved, on demand, into equal slots."""
-
-    index: int
-    start: int
-    class_bytes: int
-    num_slots: int
-    num_carved: int = 0
-    num_live: int = 0
-    free_offsets: list[int] = field(default_factory=list)
-    retired: bool = False
-
-    def take(self) -> int:
-        self.num_live += 1
-        if self.free_offsets:
-            return self.free_offsets.pop()
-        self.num_carved += 1
-        return self.start + (self.num_carved - 1) * self.class_bytes
-
-
-@dataclass(frozen=True, slots=True)
-class _Run:
-    """Contiguous slabs holding one slot of a class larger than a slab."""
-
-    index: int
-    num_slabs: int
-    class_bytes: int
-
-
-class SlabAllocator:
-    """Offsets only, no memory: the size-class slab allocator of an ``Arena``. Not locked."""
-
-    def __init__(self, base: int, capacity_bytes: int, slab_bytes: int) -> None:
-        self.base = base
-        self.capacity_bytes = capacity_bytes
-        self.slab_bytes = slab_bytes
-        self.used_bytes = 0
-        self._num_slabs = -(-capacity_bytes // slab_bytes)
-        self._free_slabs = list(range(self._num_slabs - 1, -1, -1))  # descending: pop() is lowest
-        self._partial: dict[int, list[_Slab]] = {}  # class size -> slabs with room (a stack)
-        self._live: dict[int, tuple[_Slab | _Run, int]] = {}  # offset -> (owner, length)
-
-    @property
-    def num_slots(self) -> int:
-        return len(self._live)
-
-    def class_bytes_of(self, offset: int) -> int | None:
-        entry = self._live.get(offset)
-        return None if entry is None else entry[0].class_bytes
-
-    def length_of(self, offset: int) -> int | None:
-        entry = self._live.get(offset)
-        return None if entry is None else entry[1]
-
-    def allocate(self, nbytes: int) -> int | None:
-        """Offset of a new slot of ``nbytes`` (validated by the caller), or None if full."""
-        class_bytes = round_up(nbytes)
-        owner: _Slab | _Run | None
-        if class_bytes > self.slab_bytes:
-            owner = self._take_run(class_bytes)
-            offset = None if owner is None else self._slab_start(owner.index)
-        else:
-            owner = self._slab_with_room(class_bytes)
-            offset = None if owner is None else owner.take()
-        if owner is None or offset is None:
-            return None
-        self._live[offset] = (owner, nbytes)
-        self.used_bytes += class_bytes
-        return offset
-
-    def free(self, offset: int, length: int) -> None:
-        entry = self._live.get(offset)
-        if entry is None or entry[1] != length:
-            raise RuntimeError(
-                f"arena free of offset {offset} (length {length}) which is not an allocated "
-                f"slot (live length: {None if entry is None else entry[1]})"
-            )
-        del self._live[offset]
-        owner = entry[0]
-        self.used_bytes -= owner.class_bytes
-        if isinstance(owner, _Run):
-            for index in range(owner.index, owner.index + owner.num_slabs):
-                insort(self._free_slabs, index, key=neg)
-            return
-        self._release_from_slab(owner, offset)
-
-    def _release_from_slab(self, slab: _Slab, offset: int) -> None:
-        was_full = slab.num_live == slab.num_slots
-        slab.num_live -= 1
-        if slab.num_live == 0:
-            slab.retired = True
-            insort(self._free_slabs, slab.index, key=neg)
-            return
-        slab.free_offsets.append(offset)
-        if was_full:
-            self._partial.setdefault(slab.class_bytes, []).append(slab)
-
-    def _slab_with_room(self, class_bytes: int) -> _Slab | None:
-        stack = self._partial.setdefault(class_bytes, [])
-        while stack and stack[-1].retired:
-            stack.pop()
-        if len(stack) > 2 * self._num_slabs:  # retired entries are dropped lazily
-            stack[:] = [s for s in stack if not s.retired]
-        if stack:
-            slab = stack[-1]
-            if slab.num_live + 1 == slab.num_slots:
-                stack.pop()
-            return slab
-        return self._carve_new_slab(class_bytes, stack)
-
-    def _carve_new_slab(self, class_bytes: int, stack: list[_Slab]) -> _Slab | None:
-        if not self._free_slabs:
-            return None
-        index = self._free_slabs[-1]
-        num_slots = self._slab_len(index) // class_bytes
-        if num_slots == 0:  # only the short last slab is free, and it is too short
-            return None
-        self._free_slabs.pop()
-        slab = _Slab(index, self._slab_start(index), class_bytes, num_slots)
-        if num_slots > 1:
-            stack.append(slab)
-        return slab
-
-    def _take_run(self, class_bytes: int) -> _Run | None:
-        need = -(-class_bytes // self.slab_bytes)
-        free = self._free_slabs  # descending
-        pos = len(free) - 1
-        while pos - need + 1 >= 0:
-            first = free[pos]
-            last_pos = pos - need + 1
-            if free[last_pos] == first + need - 1:
-                end = min(self._slab_start(first + need), self.base + self.capacity_bytes)
-                if end - self._slab_start(first) < class_bytes:
-                    return None  # this run ends in the short last slab: nothing further
-                del free[last_pos : pos + 1]
-                return _Run(first, need, class_bytes)
-            pos -= 1
-        return None
-
-    def _slab_start(self, index: int) -> int:
-        return self.base + index * self.slab_bytes
-
-    def _slab_len(self, index: int) -> int:
-        return min(self.slab_bytes, self.capacity_bytes - index * self.slab_bytes)
 
 
 def _shm_path(name: str) -> str:

@@ -230,7 +230,8 @@ def test_close_unlinks_even_with_live_views(make_arena: MakeArena) -> None:
 CHILD = """
 import sys
 from lmcache_svc.arena import ArenaMapping
-name, size, nonce, offset = sys.argv[1], int(sys.argv[2]), bytes.fromhex(sys.argv[3]), int(sys.argv[4])
+name, size = sys.argv[1], int(sys.argv[2])
+nonce, offset = bytes.fromhex(sys.argv[3]), int(sys.argv[4])
 mapping = ArenaMapping.open(name, size, nonce, prefault=True)
 assert mapping is not None and mapping.prefault_done.wait(10)
 view = mapping.view(offset, 5)

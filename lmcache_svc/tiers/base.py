@@ -110,11 +110,25 @@ class Tier(ABC):
         return bytes(out) if self.read_into(key, memoryview(out)) else None
 
     def put_many(self, items: Sequence[tuple[ChunkKey, Buffer]]) -> list[bool]:
-        """Batch form of ``put``; media with round trips override it to pipeline."""
+        """Batch form of ``put``, results in input order; media with round trips or spare I/O
+        parallelism override it (Redis pipelines, SSD spreads writes over a few threads).
+
+        A failed write surfaces one of two ways, and callers handle both: an override may
+        report that chunk ``False`` and log the ``TierError``, the others keeping their results
+        (``SsdTier``); this default, like ``RedisTier``, raises ``TierError`` for the batch,
+        and the results of chunks already written are lost to the caller.
+        """
         return [self.put(key, data) for key, data in items]
 
     def read_many_into(self, items: Sequence[tuple[ChunkKey, memoryview]]) -> list[bool]:
-        """Batch form of ``read_into``; media with round trips override it to pipeline."""
+        """Batch form of ``read_into``, results in input order; media with round trips or spare
+        I/O parallelism override it (Redis pipelines, SSD spreads reads over a few threads).
+
+        A failed read (``TierError``; ``Corrupted`` after dropping the chunk) surfaces one of
+        two ways, and callers handle both: an override may report that chunk ``False`` and log
+        the error, the others keeping their results (``SsdTier``); this default, like
+        ``RedisTier``, raises for the whole batch.
+        """
         return [self.read_into(key, out) for key, out in items]
 
     def stats(self) -> TierStats:

@@ -20,13 +20,15 @@ over an existing key removes the old file first: the key misses until the new on
 Concurrency: one lock guards the LRU index and the metadata operations that must agree with it
 (rename into place, unlink); reads, writes, checksums and fsyncs run outside it. At start-up the
 index is rebuilt from the headers alone, oldest mtime first (the order ``scan`` reports).
+``put_many`` and ``read_many_into`` reserve room and look keys up in input order, then spread
+the file I/O over ``IO_THREADS`` threads the tier starts on first use and stops in ``close``
+(2-4 concurrent O_DIRECT I/Os measured 1.3-1.5x faster than one).
 """
 
 from __future__ import annotations
 
 import errno
 import logging
-import mmap
 import os
 import re
 import struct
@@ -35,28 +37,41 @@ import uuid
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Literal
 
-import numpy as np
 import xxhash
 
 from lmcache_svc.errors import ConfigError, Corrupted, InvalidArgument, TierError
 from lmcache_svc.keys import CHUNK_KEY_BYTES, ChunkKey
+from lmcache_svc.tiers._fileio import (
+    DIRECT_ALIGN,
+    BounceBuffers,
+    IoThreads,
+    align_up,
+    fsync_dir,
+    pwrite_all,
+    read_head_and_body,
+    remove_quietly,
+    unlink,
+    write_head_and_body,
+)
 from lmcache_svc.tiers.base import Buffer, Tier
 
 logger = logging.getLogger(__name__)
 
 MAGIC = b"LMCSVCS1"
 FORMAT_VERSION = 1
-BLOCK = 4096
+BLOCK = DIRECT_ALIGN
 """Header block size, payload offset and O_DIRECT alignment."""
 HEADER = struct.Struct("<8sHQQ48s")
 """magic, format version, payload length, xxh3_64 of the payload, ChunkKey."""
 
+IO_THREADS = 4
+"""Threads per tier for batch I/O."""
+
 FsyncPolicy = Literal["never", "always"]
 
-_BOUNCE_BYTES = 2 * BLOCK
-_MAX_RW = 0x7FFFF000  # Linux moves at most this many bytes per read/write call
 _NAME_RE = re.compile(rf"[0-9a-f]{{{2 * CHUNK_KEY_BYTES}}}\.kv")
 
 
@@ -95,7 +110,8 @@ class SsdTier(Tier):
         self._lock = threading.Lock()
         self._index: OrderedDict[ChunkKey, _Entry] = OrderedDict()
         self._used = 0
-        self._local = threading.local()
+        self._direct_bounce = BounceBuffers() if o_direct else None
+        self._io = IoThreads(IO_THREADS, name, logger)
         self._prepare_dirs()
         self._probe_write()
         self._load_index()
@@ -113,36 +129,45 @@ class SsdTier(Tier):
             return len(self._index)
 
     def put(self, key: ChunkKey, data: Buffer) -> bool:
-        _check_key(key)
-        payload = _byte_view(data)
-        entry = _Entry(len(payload), self._file_bytes(len(payload)))
-        if not self._reserve(key, entry.file_bytes):
-            return False
-        try:
-            path = self._commit(key, self._write_tmp(key, payload), entry)
-        except BaseException:
-            with self._lock:
-                self._used -= entry.file_bytes
-            raise
-        if self._fsync:
-            _fsync_dir(os.path.dirname(path))
-        return True
+        payload = _payload(key, data)
+        entry = self._reserve(key, len(payload))
+        return entry is not None and self._store(key, payload, entry)
 
     def read_into(self, key: ChunkKey, out: memoryview) -> bool:
-        _check_key(key)
-        view = _byte_view(out)
-        if view.readonly:
-            raise InvalidArgument("read_into needs a writable output buffer")
-        with self._lock:
-            entry = self._index.get(key)
-            if entry is None:
-                return False
-            if entry.length != len(view):
-                raise InvalidArgument(
-                    f"output buffer is {len(view)} bytes but chunk {key.hex()} has {entry.length}"
-                )
-            self._index.move_to_end(key)
-        return self._read_file(key, view)
+        view = self._lookup(key, out)
+        return view is not None and self._read_file(key, view)
+
+    def put_many(self, items: Sequence[tuple[ChunkKey, Buffer]]) -> list[bool]:
+        """``put`` of each item, room reserved in input order, writes on the I/O threads.
+
+        A chunk whose write raises ``TierError`` reads ``False`` (logged); the others keep
+        their results. A batch that repeats a key is written one put after another.
+        """
+        keys = [key for key, _ in items]
+        payloads = [_payload(key, data) for key, data in items]
+        if len(set(keys)) < len(keys):  # the last put of a key must win, as in sequence
+            puts = [partial(self.put, key, data) for key, data in zip(keys, payloads)]
+            return self._io.run("write", keys, puts, parallel=False)
+        entries = [self._reserve(key, len(data)) for key, data in zip(keys, payloads)]
+        stores = [
+            None if entry is None else partial(self._store, key, data, entry)
+            for key, data, entry in zip(keys, payloads, entries)
+        ]
+        return self._io.run("write", keys, stores)
+
+    def read_many_into(self, items: Sequence[tuple[ChunkKey, memoryview]]) -> list[bool]:
+        """``read_into`` of each item, looked up in input order, read on the I/O threads.
+
+        A chunk whose read raises ``TierError`` (``Corrupted``: dropped) reads ``False``
+        (logged); the others keep their results.
+        """
+        keys = [key for key, _ in items]
+        views = [self._lookup(key, out) for key, out in items]
+        reads = [
+            None if view is None else partial(self._read_file, key, view)
+            for key, view in zip(keys, views)
+        ]
+        return self._io.run("read", keys, reads)
 
     def size_of(self, key: ChunkKey) -> int | None:
         with self._lock:
@@ -154,7 +179,7 @@ class SsdTier(Tier):
             entry = self._index.get(key)
             if entry is None:
                 return 0
-            _unlink(self._path_of(key))
+            unlink(self._path_of(key))
             del self._index[key]
             self._used -= entry.file_bytes
         return entry.file_bytes
@@ -167,6 +192,10 @@ class SsdTier(Tier):
         with self._lock:
             items = [(key, entry.length) for key, entry in self._index.items()]
         yield from items
+
+    def close(self) -> None:
+        """Stop the batch I/O threads; later batches run on the caller's thread."""
+        self._io.close()
 
     # -- start-up ---------------------------------------------------------------------------
 
@@ -184,7 +213,7 @@ class SsdTier(Tier):
         if leftovers:
             logger.warning("ssd tier %s: removed %d leftover tmp files", self.path, len(leftovers))
         if self._fsync:
-            _fsync_dir(self._chunks_dir)
+            fsync_dir(self._chunks_dir)
 
     def _probe_write(self) -> None:
         """Write and remove one block the way chunks are written, to fail at start-up."""
@@ -192,11 +221,12 @@ class SsdTier(Tier):
         try:
             fd = os.open(probe, self._write_flags, 0o644)
             try:
-                block = self._bounce(BLOCK)[:BLOCK] if self._o_direct else memoryview(bytes(BLOCK))
-                _pwrite_all(fd, [block], 0)
+                bounce = self._direct_bounce
+                block = bounce.get(BLOCK)[:BLOCK] if bounce else memoryview(bytes(BLOCK))
+                pwrite_all(fd, [block], 0)
             finally:
                 os.close(fd)
-                _remove_quietly(probe)
+                remove_quietly(probe)
         except OSError as e:
             if self._o_direct and e.errno == errno.EINVAL:
                 raise ConfigError(
@@ -220,7 +250,7 @@ class SsdTier(Tier):
         while self._used > self.capacity_bytes:
             key, entry = self._index.popitem(last=False)
             logger.warning("ssd tier %s: over capacity, removing %s", self.path, key.hex())
-            _unlink(self._path_of(key))
+            unlink(self._path_of(key))
             self._used -= entry.file_bytes
 
     def _check_file(self, shard: str, name: str) -> tuple[int, ChunkKey, _Entry] | None:
@@ -239,7 +269,7 @@ class SsdTier(Tier):
             return None
         except ValueError as e:
             logger.warning("ssd tier: removing bad chunk file %s: %s", path, e)
-            _remove_quietly(path)
+            remove_quietly(path)
             return None
         except OSError as e:
             raise TierError(f"{path}: {e.strerror}") from None
@@ -247,18 +277,31 @@ class SsdTier(Tier):
 
     # -- writes -----------------------------------------------------------------------------
 
-    def _reserve(self, key: ChunkKey, file_bytes: int) -> bool:
-        """Claim ``file_bytes`` for a put of ``key``, removing the key's old file."""
+    def _reserve(self, key: ChunkKey, length: int) -> _Entry | None:
+        """Claim the file bytes of a ``length``-byte put of ``key``, removing its old file."""
+        entry = _Entry(length, self._file_bytes(length))
         with self._lock:
             old = self._index.get(key)
             old_bytes = 0 if old is None else old.file_bytes
-            if self._used - old_bytes + file_bytes > self.capacity_bytes:
-                return False
+            if self._used - old_bytes + entry.file_bytes > self.capacity_bytes:
+                return None
             if old is not None:
-                _unlink(self._path_of(key))
+                unlink(self._path_of(key))
                 del self._index[key]
-            self._used += file_bytes - old_bytes
-            return True
+            self._used += entry.file_bytes - old_bytes
+            return entry
+
+    def _store(self, key: ChunkKey, payload: memoryview, entry: _Entry) -> bool:
+        """Write and index a chunk whose bytes ``_reserve`` claimed; releases them on failure."""
+        try:
+            path = self._commit(key, self._write_tmp(key, payload), entry)
+        except BaseException:
+            with self._lock:
+                self._used -= entry.file_bytes
+            raise
+        if self._fsync:
+            fsync_dir(os.path.dirname(path))
+        return True
 
     def _write_tmp(self, key: ChunkKey, payload: memoryview) -> str:
         tmp = os.path.join(self._tmp_dir, f"{uuid.uuid4().hex}.tmp")
@@ -266,28 +309,15 @@ class SsdTier(Tier):
         try:
             fd = os.open(tmp, self._write_flags, 0o644)
             try:
-                self._write_image(fd, header, payload)
+                write_head_and_body(fd, header, payload, self._direct_bounce)
                 if self._fsync:
                     os.fsync(fd)
             finally:
                 os.close(fd)
         except OSError as e:
-            _remove_quietly(tmp)
+            remove_quietly(tmp)
             raise TierError(f"writing {tmp}: {e.strerror}") from None
         return tmp
-
-    def _write_image(self, fd: int, header: bytes, payload: memoryview) -> None:
-        if not self._o_direct:
-            _pwrite_all(fd, [memoryview(header), payload], 0)
-            return
-        body = _direct_body(payload)
-        rest = len(payload) - body
-        end = BLOCK + _align(rest)
-        bounce = self._bounce(end)
-        bounce[:BLOCK] = header
-        bounce[BLOCK : BLOCK + rest] = payload[body:]
-        bounce[BLOCK + rest : end] = bytes(end - BLOCK - rest)
-        _pwrite_all(fd, [bounce[:BLOCK], payload[:body], bounce[BLOCK:end]], 0)
 
     def _commit(self, key: ChunkKey, tmp: str, entry: _Entry) -> str:
         """Rename ``tmp`` into place and index it (its bytes are already reserved)."""
@@ -296,7 +326,7 @@ class SsdTier(Tier):
             try:
                 os.replace(tmp, path)
             except OSError as e:
-                _remove_quietly(tmp)
+                remove_quietly(tmp)
                 raise TierError(f"{path}: {e.strerror}") from None
             replaced = self._index.pop(key, None)
             if replaced is not None:
@@ -317,7 +347,7 @@ class SsdTier(Tier):
             raise TierError(f"{path}: {e.strerror}") from None
         try:
             st = os.fstat(fd)
-            raw, got = self._read_image(fd, view)
+            raw, got = read_head_and_body(fd, HEADER.size, view, self._direct_bounce)
         except OSError as e:
             raise TierError(f"{path}: {e.strerror}") from None
         finally:
@@ -334,20 +364,6 @@ class SsdTier(Tier):
             raise Corrupted(f"{path}: payload checksum mismatch; chunk dropped")
         return True
 
-    def _read_image(self, fd: int, view: memoryview) -> tuple[bytes, int]:
-        """(header bytes, payload bytes read into ``view``) of one chunk file."""
-        if not self._o_direct:
-            head = bytearray(BLOCK)
-            got = _preadv_all(fd, [memoryview(head), view], 0)
-            return bytes(head[: min(got, HEADER.size)]), max(0, got - BLOCK)
-        body = _direct_body(view)
-        rest = len(view) - body
-        end = BLOCK + _align(rest)
-        bounce = self._bounce(end)
-        got = _preadv_all(fd, [bounce[:BLOCK], view[:body], bounce[BLOCK:end]], 0)
-        view[body:] = bounce[BLOCK : BLOCK + rest]
-        return bytes(bounce[: min(got, HEADER.size)]), min(max(0, got - BLOCK), len(view))
-
     def _drop(self, key: ChunkKey, path: str, seen: os.stat_result | None) -> None:
         """Forget ``key`` if its file vanished, or remove it if it is still the file ``seen``."""
         with self._lock:
@@ -358,26 +374,41 @@ class SsdTier(Tier):
             if now is not None:
                 if seen is None or (now.st_dev, now.st_ino) != (seen.st_dev, seen.st_ino):
                     return  # a put replaced it meanwhile
-                _unlink(path)
+                unlink(path)
             entry = self._index.pop(key, None)
             if entry is not None:
                 self._used -= entry.file_bytes
 
     # -- helpers ----------------------------------------------------------------------------
 
+    def _lookup(self, key: ChunkKey, out: memoryview) -> memoryview | None:
+        """``out`` as bytes if ``key`` is stored (now most recent), ``None`` if absent."""
+        _check_key(key)
+        view = _byte_view(out)
+        if view.readonly:
+            raise InvalidArgument("read_into needs a writable output buffer")
+        with self._lock:
+            entry = self._index.get(key)
+            if entry is None:
+                return None
+            if entry.length != len(view):
+                raise InvalidArgument(
+                    f"output buffer is {len(view)} bytes but chunk {key.hex()} has {entry.length}"
+                )
+            self._index.move_to_end(key)
+        return view
+
     def _path_of(self, key: ChunkKey) -> str:
         name = key.hex()
         return f"{self._chunks_dir}/{name[:2]}/{name}.kv"
 
     def _file_bytes(self, length: int) -> int:
-        return _align(BLOCK + length) if self._o_direct else BLOCK + length
+        return align_up(BLOCK + length) if self._o_direct else BLOCK + length
 
-    def _bounce(self, nbytes: int) -> memoryview:
-        """This thread's page-aligned scratch buffer (an anonymous mmap) of >= ``nbytes``."""
-        buf: memoryview | None = getattr(self._local, "bounce", None)
-        if buf is None or len(buf) < nbytes:
-            buf = self._local.bounce = memoryview(mmap.mmap(-1, max(nbytes, _BOUNCE_BYTES)))
-        return buf
+
+def _payload(key: ChunkKey, data: Buffer) -> memoryview:
+    _check_key(key)
+    return _byte_view(data)
 
 
 def _check_key(key: ChunkKey) -> None:
@@ -409,13 +440,9 @@ def _parse_header(raw: bytes, key: ChunkKey, file_size: int) -> tuple[int, int]:
         raise ValueError(f"unsupported format version {version}")
     if stored_key != key:
         raise ValueError(f"header names chunk {stored_key.hex()}, not the file's name")
-    if file_size not in (BLOCK + length, _align(BLOCK + length)):
+    if file_size not in (BLOCK + length, align_up(BLOCK + length)):
         raise ValueError(f"file size {file_size} does not match payload length {length}")
     return length, checksum
-
-
-def _align(n: int) -> int:
-    return -(-n // BLOCK) * BLOCK
 
 
 def _byte_view(buf: Buffer) -> memoryview:
@@ -423,71 +450,3 @@ def _byte_view(buf: Buffer) -> memoryview:
     if not view.c_contiguous:
         raise InvalidArgument("chunk buffers must be contiguous")
     return view if view.format == "B" and view.ndim == 1 else view.cast("B")
-
-
-def _direct_body(view: memoryview) -> int:
-    """How many leading bytes of ``view`` O_DIRECT can move in place (0 if it is unaligned)."""
-    if int(np.frombuffer(view, dtype=np.uint8).ctypes.data) % BLOCK:
-        return 0
-    return len(view) - len(view) % BLOCK
-
-
-def _advance(bufs: list[memoryview], n: int) -> list[memoryview]:
-    """``bufs`` without their first ``n`` bytes, dropping empty buffers."""
-    out = []
-    for buf in bufs:
-        skip = min(n, len(buf))
-        n -= skip
-        if len(buf) > skip:
-            out.append(buf[skip:])
-    return out
-
-
-def _pwrite_all(fd: int, bufs: list[memoryview], offset: int) -> None:
-    bufs = _advance(bufs, 0)
-    while bufs:
-        written = os.pwritev(fd, bufs, offset)
-        if not written:
-            raise OSError(errno.EIO, "write made no progress")
-        offset += written
-        bufs = _advance(bufs, written)
-
-
-def _preadv_all(fd: int, bufs: list[memoryview], offset: int) -> int:
-    """Bytes read into ``bufs`` from ``offset``, stopping at end of file."""
-    bufs, total = _advance(bufs, 0), 0
-    while bufs:
-        want = min(sum(len(b) for b in bufs), _MAX_RW)
-        got = os.preadv(fd, bufs, offset)
-        total, offset = total + got, offset + got
-        if got < want:
-            break
-        bufs = _advance(bufs, got)
-    return total
-
-
-def _fsync_dir(directory: str) -> None:
-    try:
-        fd = os.open(directory, os.O_RDONLY | os.O_CLOEXEC)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-    except OSError as e:
-        raise TierError(f"fsync {directory}: {e.strerror}") from None
-
-
-def _unlink(path: str) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
-    except OSError as e:
-        raise TierError(f"removing {path}: {e.strerror}") from None
-
-
-def _remove_quietly(path: str) -> None:
-    try:
-        os.unlink(path)
-    except OSError:
-        pass

@@ -308,6 +308,75 @@ def test_failed_write_releases_its_reservation(
     assert os.listdir(tmp_path / "tmp") == []
 
 
+def test_batches_keep_input_order_and_per_chunk_failures(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    tier = SsdTier(tmp_path, 4 * (BLOCK + 1000))
+    assert tier.put_many([(make_key(i), make_chunk(i)) for i in range(5)]) == [True] * 4 + [False]
+    corrupt_path = chunk_path(tmp_path, make_key(1))
+    os.truncate(corrupt_path, BLOCK + 10)
+    real_open, failing_path = os.open, str(chunk_path(tmp_path, make_key(2)))
+
+    def open_failing_one(path: str, flags: int, mode: int = 0o777) -> int:
+        if path == failing_path:
+            raise OSError(errno.EIO, os.strerror(errno.EIO), path)
+        return real_open(path, flags, mode)
+
+    monkeypatch.setattr(ssd.os, "open", open_failing_one)
+    order = [3, 1, 4, 2, 0]
+    outs = [bytearray(1000) for _ in order]
+    with caplog.at_level(logging.WARNING, logger="lmcache_svc.tiers.ssd"):
+        got = tier.read_many_into([(make_key(i), memoryview(o)) for i, o in zip(order, outs)])
+
+    assert got == [True, False, False, False, True]
+    assert (bytes(outs[0]), bytes(outs[4])) == (make_chunk(3), make_chunk(0))
+    assert not corrupt_path.exists() and tier.size_of(make_key(1)) is None
+    assert tier.size_of(make_key(2)) == 1000  # an I/O error drops nothing
+    assert sum("read of" in r.message for r in caplog.records) == 2
+    assert [key for key, _ in tier.scan()] == [make_key(i) for i in (3, 2, 0)]  # read order
+
+
+def test_put_many_failed_write_releases_only_its_reservation(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    tier = SsdTier(tmp_path, MiB)
+    real_pwritev, calls = os.pwritev, iter(range(100))
+
+    def pwritev_failing_second(fd: int, bufs: list[memoryview], offset: int) -> int:
+        if next(calls) == 1:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real_pwritev(fd, bufs, offset)
+
+    monkeypatch.setattr(ssd.os, "pwritev", pwritev_failing_second)
+    got = tier.put_many([(make_key(i), make_chunk(i)) for i in range(3)])
+
+    assert sorted(got) == [False, True, True]
+    assert tier.used_bytes == 2 * (BLOCK + 1000) == tier.num_chunks * (BLOCK + 1000)
+    assert os.listdir(tmp_path / "tmp") == []
+
+
+def test_put_many_with_a_repeated_key_keeps_the_last(tmp_path: Path) -> None:
+    tier = SsdTier(tmp_path, MiB)
+    items = [(make_key(1), make_chunk(1)), (make_key(2), make_chunk(2)), (make_key(1), b"new")]
+
+    assert tier.put_many(items) == [True, True, True]
+
+    assert read(tier, make_key(1)) == b"new"
+    assert tier.used_bytes == 2 * BLOCK + 1000 + 3
+
+
+def test_batches_still_work_after_close(tmp_path: Path) -> None:
+    tier = SsdTier(tmp_path, MiB)
+    assert tier.put_many([(make_key(i), make_chunk(i)) for i in range(3)]) == [True] * 3
+
+    tier.close()
+    tier.close()
+
+    outs = [bytearray(1000) for _ in range(3)]
+    assert tier.read_many_into([(make_key(i), memoryview(outs[i])) for i in range(3)]) == [True] * 3
+    assert [bytes(o) for o in outs] == [make_chunk(i) for i in range(3)]
+
+
 def test_fsync_always_round_trip(tmp_path: Path) -> None:
     tier = SsdTier(tmp_path, MiB, fsync="always")
     assert tier.put(make_key(1), make_chunk(1))
