@@ -1,10 +1,11 @@
-"""Python clients of the cache server: ``CacheClient`` (blocking) and ``AsyncCacheClient``.
+"""The blocking Python client of the cache server: ``CacheClient``.
 
-Both speak gRPC over a Unix socket (``/path/x.sock`` or ``unix:/path/x.sock``) or TCP
-(``host:port``). On the same host the blocking client maps the server's shared segment and
-moves bulk bytes in place: ``prepare_store`` hands out writable views of reserved slots,
-``prepare_load`` views of leased slots; only offsets cross gRPC. Elsewhere ``store``/``load``
-fall back to inline streams (``Put``/``Get``).
+It speaks gRPC over a Unix socket (``/path/x.sock`` or ``unix:/path/x.sock``) or TCP
+(``host:port``). On the same host it maps the server's shared segment and moves bulk bytes
+in place: ``prepare_store`` hands out writable views of reserved slots, ``prepare_load``
+views of leased slots; only offsets cross gRPC. Elsewhere ``store``/``load`` fall back to
+inline streams (``Put``/``Get``). ``AsyncCacheClient`` (``aio_client.py``) is the asyncio
+counterpart for inline transfers.
 
 Faults: every call has a deadline; an unreachable or slow server raises ``ServerUnavailable``.
 gRPC channels reconnect by themselves; after a server restart the client re-registers its
@@ -15,25 +16,39 @@ protobuf and numpy (no server extras).
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import grpc
 
 from lmcache_svc import errors
+from lmcache_svc.aio_client import AsyncCacheClient
 from lmcache_svc.arena import ArenaMapping
-from lmcache_svc.defaults import default_socket_path
 from lmcache_svc.keys import Namespace, NamespaceId
+from lmcache_svc.rpc import (
+    GetAssembler,
+    LookupResult,
+    auth_metadata,
+    client_channel_options,
+    convert_rpc_error,
+    default_address,
+    grpc_target,
+    put_parts,
+    stats_dict,
+)
 from lmcache_svc.v1 import cache_pb2 as pb
 from lmcache_svc.v1 import cache_pb2_grpc as pb_grpc
-from lmcache_svc.wire import (
-    ERROR_KIND_KEY,
-    PIECE_BYTES,
-    channel_options,
-    error_from_kind,
-    namespace_to_pb,
-)
+from lmcache_svc.wire import namespace_to_pb
+
+__all__ = [
+    "AsyncCacheClient",
+    "CacheClient",
+    "LoadLease",
+    "LookupResult",
+    "StoreSlot",
+    "default_address",
+]
 
 StoreStatus = Literal["reserved", "already_stored", "no_space", "in_progress"]
 _STATUS_NAMES: dict[int, StoreStatus] = {
@@ -42,22 +57,6 @@ _STATUS_NAMES: dict[int, StoreStatus] = {
     pb.NO_SPACE: "no_space",
     pb.IN_PROGRESS: "in_progress",
 }
-_UNAVAILABLE = {
-    grpc.StatusCode.UNAVAILABLE,
-    grpc.StatusCode.DEADLINE_EXCEEDED,
-    grpc.StatusCode.CANCELLED,
-}
-_RECONNECT_OPTIONS = [
-    ("grpc.initial_reconnect_backoff_ms", 100),
-    ("grpc.min_reconnect_backoff_ms", 100),
-    ("grpc.max_reconnect_backoff_ms", 1000),
-]
-
-
-@dataclass(frozen=True, slots=True)
-class LookupResult:
-    num_hit_chunks: int
-    tiers: list[str]
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,99 +74,6 @@ class LoadLease:
 
     lease_id: str | None
     buffers: list[memoryview] = field(default_factory=list)
-
-
-def default_address() -> str:
-    return str(default_socket_path())
-
-
-def grpc_target(address: str) -> str:
-    """``/p.sock`` or ``unix:/p.sock`` -> ``unix:/p.sock``; ``host:port`` unchanged."""
-    if address.startswith(("unix:", "unix-abstract:")):
-        return address
-    if address.startswith(("/", "./")) or address.endswith(".sock"):
-        return f"unix:{address}"
-    if ":" not in address:
-        raise errors.InvalidArgument(
-            f"server address {address!r} is neither a socket path nor host:port"
-        )
-    return address
-
-
-def convert_rpc_error(error: grpc.RpcError) -> errors.LMCacheSvcError:
-    """The project's exception for a failed call (the server sends the error kind)."""
-    code = error.code() if isinstance(error, grpc.Call) else grpc.StatusCode.UNKNOWN
-    details = (error.details() if isinstance(error, grpc.Call) else None) or str(error)
-    trailing = error.trailing_metadata() if isinstance(error, grpc.Call) else None
-    kind = dict(trailing or ()).get(ERROR_KIND_KEY)
-    if kind:
-        return error_from_kind(str(kind), details)
-    if code in _UNAVAILABLE:
-        return errors.ServerUnavailable(f"lmcache-svc server unavailable ({code.name}): {details}")
-    if code == grpc.StatusCode.UNAUTHENTICATED:
-        return errors.Unauthenticated(details)
-    return errors.LMCacheSvcError(f"{code.name}: {details}")
-
-
-# -- request shaping shared by both clients ---------------------------------------------------
-
-
-def _put_parts(namespace_id: bytes, items: Sequence[tuple[bytes, Any]]) -> Iterator[pb.ChunkPart]:
-    for chunk_hash, data in items:
-        view = memoryview(data).cast("B")
-        yield pb.ChunkPart(
-            header=pb.ChunkHeader(
-                namespace_id=namespace_id, chunk_hash=chunk_hash, length=len(view)
-            )
-        )
-        for i in range(0, len(view), PIECE_BYTES):
-            yield pb.ChunkPart(data=bytes(view[i : i + PIECE_BYTES]))
-
-
-class _GetAssembler:
-    """Reassembles a Get stream into one ``bytes | None`` per requested chunk."""
-
-    def __init__(self) -> None:
-        self.chunks: list[bytes | None] = []
-        self._pieces: list[bytes] = []
-        self._open = False
-
-    def feed(self, part: pb.ChunkPart) -> None:
-        if part.HasField("header"):
-            self._close()
-            if part.header.found:
-                self._open = True
-            else:
-                self.chunks.append(None)
-        else:
-            self._pieces.append(part.data)
-
-    def _close(self) -> None:
-        if self._open:
-            self.chunks.append(b"".join(self._pieces))
-            self._pieces, self._open = [], False
-
-    def result(self) -> list[bytes | None]:
-        self._close()
-        return self.chunks
-
-
-def _stats_dict(resp: pb.StatsResponse) -> dict[str, Any]:
-    return {
-        "version": resp.version,
-        "active_leases": resp.active_leases,
-        "pending_stores": resp.pending_stores,
-        "num_namespaces": resp.num_namespaces,
-        "tiers": [
-            {
-                "name": t.name,
-                "capacity_bytes": t.capacity_bytes,
-                "used_bytes": t.used_bytes,
-                "num_chunks": t.num_chunks,
-            }
-            for t in resp.tiers
-        ],
-    }
 
 
 class _Session:
@@ -215,10 +121,8 @@ class CacheClient:
         self.timeout_s = timeout_s
         self._client_name = client_name
         self._use_shm = use_shm
-        self._metadata = (("authorization", f"Bearer {auth_token}"),) if auth_token else ()
-        self._channel = grpc.insecure_channel(
-            self._target, options=channel_options() + _RECONNECT_OPTIONS
-        )
+        self._metadata = auth_metadata(auth_token)
+        self._channel = grpc.insecure_channel(self._target, options=client_channel_options())
         self._stub = pb_grpc.CacheServiceStub(self._channel)
         self._namespaces: dict[bytes, Namespace] = {}
         self._session: _Session | None = None
@@ -421,7 +325,7 @@ class CacheClient:
         """Inline store (streamed); returns the chunks stored (or already stored)."""
         try:
             resp = self._stub.Put(
-                _put_parts(namespace_id, items),
+                put_parts(namespace_id, items),
                 timeout=self._bulk_timeout(items),
                 metadata=self._metadata,
             )
@@ -431,7 +335,7 @@ class CacheClient:
 
     def get(self, namespace_id: bytes, chunk_hashes: Sequence[bytes]) -> list[bytes | None]:
         """Inline load (streamed); None for each chunk not found."""
-        assembler = _GetAssembler()
+        assembler = GetAssembler()
         try:
             for part in self._stub.Get(
                 pb.GetRequest(namespace_id=namespace_id, chunk_hashes=chunk_hashes),
@@ -453,7 +357,7 @@ class CacheClient:
         return int(resp.num_deleted)
 
     def stats(self) -> dict[str, Any]:
-        return _stats_dict(self._call("Stats", pb.StatsRequest()))
+        return stats_dict(self._call("Stats", pb.StatsRequest()))
 
     def wait_ready(self, timeout_s: float = 10.0) -> None:
         """Block until the server answers (raises ServerUnavailable after ``timeout_s``)."""
@@ -486,93 +390,3 @@ def _first_event(stream: Any, timeout_s: float) -> pb.SessionEvent:
     if isinstance(result[0], BaseException):
         raise errors.ServerUnavailable(f"session stream ended: {result[0]!r}")
     return result[0]
-
-
-class AsyncCacheClient:
-    """asyncio client over inline transfers (for tools and remote callers)."""
-
-    def __init__(
-        self, address: str, *, timeout_s: float = 5.0, auth_token: str | None = None
-    ) -> None:
-        self._target = grpc_target(address)
-        self.timeout_s = timeout_s
-        self._metadata = (("authorization", f"Bearer {auth_token}"),) if auth_token else ()
-        self._channel = grpc.aio.insecure_channel(
-            self._target, options=channel_options() + _RECONNECT_OPTIONS
-        )
-        self._stub = pb_grpc.CacheServiceStub(self._channel)
-        self._namespaces: dict[bytes, Namespace] = {}
-
-    async def __aenter__(self) -> AsyncCacheClient:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.close()
-
-    async def close(self) -> None:
-        await self._channel.close()
-
-    async def _call(self, method: str, request: Any) -> Any:
-        try:
-            return await getattr(self._stub, method)(
-                request, timeout=self.timeout_s, metadata=self._metadata
-            )
-        except grpc.RpcError as e:
-            raise convert_rpc_error(e) from None
-
-    async def _ns_call(self, method: str, request: Any) -> Any:
-        try:
-            return await self._call(method, request)
-        except errors.UnknownNamespace:
-            ns = self._namespaces.get(bytes(request.namespace_id))
-            if ns is None:
-                raise
-            await self.register_namespace(ns)
-            return await self._call(method, request)
-
-    async def register_namespace(self, namespace: Namespace) -> NamespaceId:
-        resp = await self._call(
-            "RegisterNamespace", pb.RegisterNamespaceRequest(namespace=namespace_to_pb(namespace))
-        )
-        self._namespaces[bytes(resp.namespace_id)] = namespace
-        return NamespaceId(bytes(resp.namespace_id))
-
-    async def lookup(self, namespace_id: bytes, chunk_hashes: Sequence[bytes]) -> LookupResult:
-        resp = await self._ns_call(
-            "Lookup", pb.LookupRequest(namespace_id=namespace_id, chunk_hashes=chunk_hashes)
-        )
-        return LookupResult(resp.num_hit_chunks, list(resp.tiers))
-
-    async def put(self, namespace_id: bytes, items: Sequence[tuple[bytes, Any]]) -> int:
-        try:
-            resp = await self._stub.Put(
-                _put_parts(namespace_id, items),
-                timeout=self.timeout_s * max(1, len(items)),
-                metadata=self._metadata,
-            )
-        except grpc.RpcError as e:
-            raise convert_rpc_error(e) from None
-        return int(resp.num_stored)
-
-    async def get(self, namespace_id: bytes, chunk_hashes: Sequence[bytes]) -> list[bytes | None]:
-        assembler = _GetAssembler()
-        try:
-            call = self._stub.Get(
-                pb.GetRequest(namespace_id=namespace_id, chunk_hashes=chunk_hashes),
-                timeout=self.timeout_s * max(1, len(chunk_hashes)),
-                metadata=self._metadata,
-            )
-            async for part in call:
-                assembler.feed(part)
-        except grpc.RpcError as e:
-            raise convert_rpc_error(e) from None
-        return assembler.result()
-
-    async def delete(self, namespace_id: bytes, chunk_hashes: Sequence[bytes]) -> int:
-        resp = await self._ns_call(
-            "Delete", pb.DeleteRequest(namespace_id=namespace_id, chunk_hashes=chunk_hashes)
-        )
-        return int(resp.num_deleted)
-
-    async def stats(self) -> dict[str, Any]:
-        return _stats_dict(await self._call("Stats", pb.StatsRequest()))

@@ -1,0 +1,130 @@
+"""The client side of the wire, shared by the blocking and asyncio clients: gRPC targets,
+channel options, error conversion and the shaping of inline transfers."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+
+from lmcache_svc import errors
+from lmcache_svc.defaults import default_socket_path
+from lmcache_svc.v1 import cache_pb2 as pb
+from lmcache_svc.wire import ERROR_KIND_KEY, PIECE_BYTES, channel_options, error_from_kind
+
+_UNAVAILABLE = {
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.DEADLINE_EXCEEDED,
+    grpc.StatusCode.CANCELLED,
+}
+RECONNECT_OPTIONS = [
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+]
+
+
+@dataclass(frozen=True, slots=True)
+class LookupResult:
+    num_hit_chunks: int
+    tiers: list[str]
+
+
+def default_address() -> str:
+    return str(default_socket_path())
+
+
+def grpc_target(address: str) -> str:
+    """``/p.sock`` or ``unix:/p.sock`` -> ``unix:/p.sock``; ``host:port`` unchanged."""
+    if address.startswith(("unix:", "unix-abstract:")):
+        return address
+    if address.startswith(("/", "./")) or address.endswith(".sock"):
+        return f"unix:{address}"
+    if ":" not in address:
+        raise errors.InvalidArgument(
+            f"server address {address!r} is neither a socket path nor host:port"
+        )
+    return address
+
+
+def convert_rpc_error(error: grpc.RpcError) -> errors.LMCacheSvcError:
+    """The project's exception for a failed call (the server sends the error kind)."""
+    code = error.code() if isinstance(error, grpc.Call) else grpc.StatusCode.UNKNOWN
+    details = (error.details() if isinstance(error, grpc.Call) else None) or str(error)
+    trailing = error.trailing_metadata() if isinstance(error, grpc.Call) else None
+    kind = dict(trailing or ()).get(ERROR_KIND_KEY)
+    if kind:
+        return error_from_kind(str(kind), details)
+    if code in _UNAVAILABLE:
+        return errors.ServerUnavailable(f"lmcache-svc server unavailable ({code.name}): {details}")
+    if code == grpc.StatusCode.UNAUTHENTICATED:
+        return errors.Unauthenticated(details)
+    return errors.LMCacheSvcError(f"{code.name}: {details}")
+
+
+def put_parts(namespace_id: bytes, items: Sequence[tuple[bytes, Any]]) -> Iterator[pb.ChunkPart]:
+    for chunk_hash, data in items:
+        view = memoryview(data).cast("B")
+        yield pb.ChunkPart(
+            header=pb.ChunkHeader(
+                namespace_id=namespace_id, chunk_hash=chunk_hash, length=len(view)
+            )
+        )
+        for i in range(0, len(view), PIECE_BYTES):
+            yield pb.ChunkPart(data=bytes(view[i : i + PIECE_BYTES]))
+
+
+class GetAssembler:
+    """Reassembles a Get stream into one ``bytes | None`` per requested chunk."""
+
+    def __init__(self) -> None:
+        self.chunks: list[bytes | None] = []
+        self._pieces: list[bytes] = []
+        self._open = False
+
+    def feed(self, part: pb.ChunkPart) -> None:
+        if part.HasField("header"):
+            self._close()
+            if part.header.found:
+                self._open = True
+            else:
+                self.chunks.append(None)
+        else:
+            self._pieces.append(part.data)
+
+    def _close(self) -> None:
+        if self._open:
+            self.chunks.append(b"".join(self._pieces))
+            self._pieces, self._open = [], False
+
+    def result(self) -> list[bytes | None]:
+        self._close()
+        return self.chunks
+
+
+def stats_dict(resp: pb.StatsResponse) -> dict[str, Any]:
+    return {
+        "version": resp.version,
+        "active_leases": resp.active_leases,
+        "pending_stores": resp.pending_stores,
+        "num_namespaces": resp.num_namespaces,
+        "tiers": [
+            {
+                "name": t.name,
+                "capacity_bytes": t.capacity_bytes,
+                "used_bytes": t.used_bytes,
+                "num_chunks": t.num_chunks,
+            }
+            for t in resp.tiers
+        ],
+    }
+
+
+def client_channel_options() -> list[tuple[str, int]]:
+    return channel_options() + RECONNECT_OPTIONS
+
+
+def auth_metadata(auth_token: str | None) -> tuple[tuple[str, str], ...]:
+    return (("authorization", f"Bearer {auth_token}"),) if auth_token else ()
