@@ -85,7 +85,7 @@ class RedisConfig(_Section):
     cluster: bool = False
     """The URL names one node of a Redis Cluster."""
     capacity: ByteSize = Field(ByteSize(8 << 30), gt=0)
-    """Bytes (headers included) this server may keep in Redis; Redis's own maxmemory is
+    """Payload bytes this server may keep in Redis; Redis's own maxmemory is
     the backstop for what several servers share."""
     ttl_s: float | None = Field(None, gt=0)
     """Expire chunks in Redis after this many seconds (none: keep until evicted)."""

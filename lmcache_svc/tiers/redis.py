@@ -1,0 +1,420 @@
+"""The Redis tier: chunk bytes in a Redis or Redis Cluster that several servers may share.
+
+Layout: exactly one Redis key per chunk, ``key_prefix + hex(ChunkKey)``, whose value is a
+fixed 72-byte header followed by the payload, so metadata and bytes are written, expired and
+evicted together and can never disagree. The header (little-endian, ``HEADER``) holds the
+magic ``b"LMCR"``, format version (u8), flags (u8), reserved (u16), payload length (u64),
+``xxh3_64`` of the payload (u64) and the 48-byte ``ChunkKey``. A read checks all of them; any
+mismatch deletes the key and raises ``Corrupted``.
+
+Capacity: ``capacity_bytes`` bounds this server's own accounting, the payload bytes of the
+chunks it wrote plus those ``scan()`` found at start-up (the 72-byte headers and Redis's own
+overhead are not counted). In a shared deployment other servers' keys are not counted either:
+Redis's ``maxmemory`` with an eviction policy is the backstop, and a SET that Redis refuses
+with ``-OOM`` answers "does not fit". A key that Redis expired or evicted leaves the
+accounting when a read, ``size_of`` or ``contains_many`` finds it missing.
+
+Speed: a batch is split over ``num_connections`` worker threads, each pipelining its share on
+its own connection. This bulk path uses redis-py to connect (auth, TLS, database, handshake,
+cluster topology) but speaks RESP on the connection's socket itself: a SET sends header and
+payload as separate buffers (no joined copy) and a GET reply is received straight into the
+caller's buffer, where redis-py's pure-Python parser copies each value several times into
+fresh memory. Cluster redirections and dropped connections fall back to redis-py's ordinary
+commands, which reconnect and follow the cluster's topology.
+
+Failure: socket connect and read timeouts are ``timeout_s`` (redis-py retries a failed
+command once), so a dead or hung Redis costs a caller about 2 x ``timeout_s`` at most. Every
+redis-py or socket error becomes ``TierError`` naming the URL (password hidden) and operation.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor, wait
+from contextlib import contextmanager
+from itertools import islice
+from typing import Any
+
+import redis
+from redis.backoff import NoBackoff
+from redis.cluster import RedisCluster
+from redis.exceptions import OutOfMemoryError
+from redis.retry import Retry
+
+from lmcache_svc.errors import Corrupted, InvalidArgument, TierError
+from lmcache_svc.keys import CHUNK_KEY_BYTES, ChunkKey
+from lmcache_svc.tiers.base import Buffer, Tier
+from lmcache_svc.tiers.redis_wire import (
+    BACKEND_ERRORS,
+    HEADER,
+    MIN_SHARD_BYTES,
+    OK,
+    Job,
+    Outcome,
+    byte_view,
+    check_args,
+    check_url,
+    check_value,
+    fetch_values,
+    glob_escape,
+    pack_header,
+    payload_size,
+    redact_url,
+    send_sets,
+    stream_shard,
+)
+
+__all__ = ["HEADER", "RedisTier"]
+
+_SCAN_COUNT = 1000
+
+
+class RedisTier(Tier):
+    """Chunks as single Redis keys (header + payload); see the module docstring."""
+
+    shared = True
+
+    def __init__(
+        self,
+        url: str,
+        capacity_bytes: int,
+        *,
+        cluster: bool = False,
+        ttl_s: float | None = None,
+        num_connections: int = 4,
+        key_prefix: str = "lmcache-svc:v1:",
+        timeout_s: float = 5.0,
+        name: str = "redis",
+    ) -> None:
+        check_url(url, cluster)
+        check_args(capacity_bytes, ttl_s, num_connections, key_prefix, timeout_s, name)
+        self.name = name
+        self.capacity_bytes = capacity_bytes
+        self.url = redact_url(url)
+        self._raw_url = url
+        self._cluster = cluster
+        self._ttl_ms = None if ttl_s is None else max(1, round(ttl_s * 1000))
+        self._prefix = key_prefix.encode()
+        self._num_connections = num_connections
+        self._timeout_s = float(timeout_s)
+        self._lock = threading.Lock()
+        self._sizes: dict[ChunkKey, int] = {}
+        self._used = 0
+        self._connect_lock = threading.Lock()
+        self._client_obj: Any = None
+        self._executor = ThreadPoolExecutor(num_connections, thread_name_prefix=f"{name}-io")
+        self._closed = False
+
+    # -- accounting ------------------------------------------------------------------------
+
+    @property
+    def used_bytes(self) -> int:
+        with self._lock:
+            return self._used
+
+    @property
+    def num_chunks(self) -> int:
+        with self._lock:
+            return len(self._sizes)
+
+    def _reserve(self, key: ChunkKey, size: int) -> tuple[bool, int | None]:
+        """Count ``size`` bytes for ``key`` if they fit; returns (fits, the previous size)."""
+        with self._lock:
+            old = self._sizes.get(key)
+            if self._used - (old or 0) + size > self.capacity_bytes:
+                return False, old
+            self._sizes[key] = size
+            self._used += size - (old or 0)
+            return True, old
+
+    def _unreserve(self, key: ChunkKey, size: int, old: int | None) -> None:
+        with self._lock:
+            if self._sizes.get(key) != size:
+                return  # someone else changed it meanwhile: theirs is newer
+            self._used += (old or 0) - size
+            if old is None:
+                del self._sizes[key]
+            else:
+                self._sizes[key] = old
+
+    def _record(self, key: ChunkKey, size: int) -> None:
+        with self._lock:
+            self._used += size - self._sizes.get(key, 0)
+            self._sizes[key] = size
+
+    def _drop(self, key: ChunkKey) -> None:
+        with self._lock:
+            self._used -= self._sizes.pop(key, 0)
+
+    # -- the Tier contract -----------------------------------------------------------------
+
+    def put(self, key: ChunkKey, data: Buffer) -> bool:
+        return self.put_many([(key, data)])[0]
+
+    def read_into(self, key: ChunkKey, out: memoryview) -> bool:
+        return self.read_many_into([(key, out)])[0]
+
+    def put_many(self, items: Sequence[tuple[ChunkKey, Buffer]]) -> list[bool]:
+        jobs = [self._job(key, byte_view(data, "data")) for key, data in items]
+        results = [False] * len(jobs)
+        reserved: dict[int, int | None] = {}
+        for i, job in enumerate(jobs):
+            fits, old = self._reserve(job.key, len(job.data))
+            if fits:
+                reserved[i] = old
+        todo = list(reserved)
+        try:
+            outcomes = self._execute(
+                "put", [jobs[i] for i in todo], self._send_sets, self._put_slow
+            )
+        except BaseException:
+            for i in todo:  # unknown what was written: count none of it
+                self._unreserve(jobs[i].key, len(jobs[i].data), reserved[i])
+            raise
+        errors: list[str] = []
+        for i, (status, detail) in zip(todo, outcomes):
+            results[i] = status == "ok"
+            if status != "ok":
+                self._unreserve(jobs[i].key, len(jobs[i].data), reserved[i])
+            if status not in ("ok", "oom"):
+                errors.append(f"{jobs[i].key.hex()}: {detail}")
+        if errors:
+            raise TierError(
+                f"Redis put on {self.url} failed for {len(errors)} chunk(s): {errors[0]}"
+            )
+        return results
+
+    def read_many_into(self, items: Sequence[tuple[ChunkKey, memoryview]]) -> list[bool]:
+        jobs = [self._job(key, byte_view(out, "out", writable=True)) for key, out in items]
+        outcomes = self._execute("read", jobs, fetch_values, self._read_slow)
+        corrupt: list[str] = []
+        bad_size: list[str] = []
+        errors: list[str] = []
+        for job, (status, detail) in zip(jobs, outcomes):
+            if status == "miss":
+                self._drop(job.key)
+            elif status == "corrupt":
+                corrupt.append(job.key.hex())
+                self._discard(job.key)
+            elif status != "ok":
+                (bad_size if status == "bad_size" else errors).append(f"{job.key.hex()}: {detail}")
+        if errors:
+            raise TierError(
+                f"Redis read on {self.url} failed for {len(errors)} chunk(s): {errors[0]}"
+            )
+        if corrupt:
+            raise Corrupted(f"Redis chunk(s) {', '.join(corrupt)} on {self.url} failed their "
+                            "header or checksum check and were deleted")  # fmt: skip
+        if bad_size:
+            raise InvalidArgument(f"read buffer size mismatch: {bad_size[0]}")
+        return [status == "ok" for status, _ in outcomes]
+
+    def size_of(self, key: ChunkKey) -> int | None:
+        rkey = self._rkey(key)
+        with self._errors("size_of"):
+            pipe = self._client.pipeline(transaction=False)
+            pipe.getrange(rkey, 0, HEADER.size - 1)
+            pipe.strlen(rkey)
+            header, value_size = pipe.execute()
+        if not value_size:
+            self._drop(key)
+            return None
+        length = payload_size(key, header, value_size)
+        if isinstance(length, str):
+            self._discard(key)
+            raise Corrupted(f"Redis chunk {key.hex()} on {self.url}: {length}; deleted")
+        return length
+
+    def delete(self, key: ChunkKey) -> int:
+        rkey = self._rkey(key)
+        with self._errors("delete"):
+            pipe = self._client.pipeline(transaction=False)
+            pipe.strlen(rkey)
+            pipe.delete(rkey)
+            value_size, num_deleted = pipe.execute()
+        self._drop(key)
+        return max(0, value_size - HEADER.size) if num_deleted else 0
+
+    def contains_many(self, keys: Sequence[ChunkKey]) -> list[bool]:
+        rkeys = [self._rkey(key) for key in keys]
+        if not rkeys:
+            return []
+        with self._errors("contains_many"):
+            pipe = self._client.pipeline(transaction=False)
+            for rkey in rkeys:
+                pipe.exists(rkey)
+            found = [bool(n) for n in pipe.execute()]
+        for key, hit in zip(keys, found):
+            if not hit:
+                self._drop(key)
+        return found
+
+    def scan(self) -> Iterator[tuple[ChunkKey, int]]:
+        """Chunks under ``key_prefix`` on every master, in Redis's SCAN order (Redis keeps no
+        cheap global LRU order); each is added to this tier's accounting as it is yielded."""
+        pattern = glob_escape(self._prefix) + b"*"
+        with self._errors("scan"):
+            for client in self._node_clients():
+                keys = client.scan_iter(match=pattern, count=_SCAN_COUNT)
+                while batch := list(islice(keys, _SCAN_COUNT)):
+                    yield from self._scan_sizes(client, batch)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._executor.shutdown(wait=True)
+        with self._connect_lock:
+            client, self._client_obj = self._client_obj, None
+        if client is not None:
+            client.close()
+            if not self._cluster:
+                client.connection_pool.disconnect()
+
+    # -- helpers ---------------------------------------------------------------------------
+
+    def _rkey(self, key: ChunkKey) -> bytes:
+        if not isinstance(key, bytes) or len(key) != CHUNK_KEY_BYTES:
+            raise InvalidArgument(f"chunk key must be {CHUNK_KEY_BYTES} bytes, got {key!r:.80}")
+        return self._prefix + key.hex().encode()
+
+    def _job(self, key: ChunkKey, data: memoryview) -> Job:
+        return Job(key, self._rkey(key), data)
+
+    def _key_of(self, rkey: bytes) -> ChunkKey | None:
+        try:
+            raw = bytes.fromhex(rkey[len(self._prefix) :].decode("ascii"))
+        except ValueError:
+            return None
+        return ChunkKey(raw) if len(raw) == CHUNK_KEY_BYTES else None
+
+    @contextmanager
+    def _errors(self, op: str) -> Iterator[None]:
+        if self._closed:
+            raise TierError(f"Redis tier {self.name!r} ({self.url}) is closed; {op} refused")
+        try:
+            yield
+        except BACKEND_ERRORS as e:
+            raise TierError(f"Redis {op} on {self.url} failed: {type(e).__name__}: {e}") from e
+
+    @property
+    def _client(self) -> Any:
+        with self._connect_lock:
+            if self._client_obj is None:
+                self._client_obj = self._connect()
+            return self._client_obj
+
+    def _connect(self) -> Any:
+        options: dict[str, Any] = {
+            "socket_timeout": self._timeout_s,
+            "socket_connect_timeout": self._timeout_s,
+            "retry": Retry(NoBackoff(), 1),
+            "health_check_interval": 0,
+        }
+        if self._cluster:
+            return RedisCluster.from_url(self._raw_url, **options)
+        pool = redis.BlockingConnectionPool.from_url(
+            self._raw_url,
+            max_connections=2 * self._num_connections,
+            timeout=self._timeout_s,
+            **options,
+        )
+        return redis.Redis(connection_pool=pool)
+
+    def _node_clients(self) -> list[Any]:
+        client = self._client
+        if not self._cluster:
+            return [client]
+        return [client.get_redis_connection(node) for node in client.get_primaries()]
+
+    def _pool_of(self, rkey: bytes) -> Any:
+        client = self._client
+        if not self._cluster:
+            return client.connection_pool
+        return client.get_redis_connection(client.get_node_from_key(rkey)).connection_pool
+
+    def _scan_sizes(self, client: Any, rkeys: list[bytes]) -> Iterator[tuple[ChunkKey, int]]:
+        pipe = client.pipeline(transaction=False)
+        for rkey in rkeys:
+            pipe.strlen(rkey)
+        for rkey, value_size in zip(rkeys, pipe.execute()):
+            key = self._key_of(rkey)
+            if key is not None and value_size >= HEADER.size:
+                self._record(key, value_size - HEADER.size)
+                yield key, value_size - HEADER.size
+
+    def _discard(self, key: ChunkKey) -> None:
+        """Delete a chunk that failed its checks (best effort: the read reports it anyway)."""
+        self._drop(key)
+        try:
+            self._client.delete(self._rkey(key))
+        except BACKEND_ERRORS:
+            pass  # the caller raises Corrupted; the next read finds it again
+
+    # -- batches ---------------------------------------------------------------------------
+
+    def _execute(
+        self,
+        op: str,
+        jobs: list[Job],
+        stream: Callable[[list[Job], Any], list[Outcome]],
+        slow: Callable[[Job], Outcome],
+    ) -> list[Outcome]:
+        """Run ``jobs`` over the worker connections; redirected ones go through redis-py."""
+        outcomes: list[Outcome] = [OK] * len(jobs)
+        if not jobs:
+            return outcomes
+        with self._errors(op):
+            shards = self._shards(jobs)
+
+            def run(shard: tuple[Any, list[int]]) -> None:
+                pool, indices = shard
+                done = stream_shard(pool, [jobs[i] for i in indices], stream)
+                for i, outcome in zip(indices, done):
+                    outcomes[i] = outcome
+
+            self._map(run, shards)
+            for i, (status, _) in enumerate(outcomes):
+                if status == "redirect":
+                    outcomes[i] = slow(jobs[i])
+        return outcomes
+
+    def _shards(self, jobs: list[Job]) -> list[tuple[Any, list[int]]]:
+        """Group jobs by node, then split each group over up to ``num_connections`` workers."""
+        groups: dict[int, tuple[Any, list[int]]] = {}
+        for i, job in enumerate(jobs):
+            pool = self._pool_of(job.rkey)
+            groups.setdefault(id(pool), (pool, []))[1].append(i)
+        per_group = -(-self._num_connections // len(groups))
+        shards: list[tuple[Any, list[int]]] = []
+        for pool, indices in groups.values():
+            num_bytes = sum(len(jobs[i].data) for i in indices)
+            parts = max(1, min(per_group, len(indices), num_bytes // MIN_SHARD_BYTES))
+            shards.extend((pool, indices[j::parts]) for j in range(parts))
+        return shards
+
+    def _map(self, fn: Callable[[Any], None], shards: Iterable[Any]) -> None:
+        shards = list(shards)
+        if len(shards) == 1:
+            fn(shards[0])
+            return
+        futures = [self._executor.submit(fn, shard) for shard in shards]
+        wait(futures)
+        for future in futures:
+            future.result()  # re-raises the first failure, after every shard has finished
+
+    def _send_sets(self, jobs: list[Job], conn: Any) -> list[Outcome]:
+        return send_sets(jobs, conn, self._ttl_ms)
+
+    def _put_slow(self, job: Job) -> Outcome:
+        value = bytearray(pack_header(job.key, job.data))
+        value += job.data
+        try:
+            self._client.set(job.rkey, value, px=self._ttl_ms)
+        except OutOfMemoryError as e:
+            return ("oom", str(e))
+        return OK
+
+    def _read_slow(self, job: Job) -> Outcome:
+        return check_value(job.key, self._client.get(job.rkey), job.data)

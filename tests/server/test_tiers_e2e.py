@@ -1,0 +1,95 @@
+"""Lower tiers through the real server: SSD across a restart, Redis shared by two servers."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import httpx
+
+from lmcache_svc.client import CacheClient
+from lmcache_svc.keys import chunk_hashes
+from tests.server.test_grpc import NS, make_chunk
+from tests.server_procs import start_server
+
+CHUNKS = 24  # 24 x 64 KiB into a 1 MiB arena: the oldest chunks are evicted
+
+
+def store_all(address: str) -> list[bytes]:
+    hashes = chunk_hashes(NS, list(range(CHUNKS * 256)))
+    with CacheClient(address) as c:
+        ns_id = c.register_namespace(NS)
+        for i, h in enumerate(hashes):
+            assert c.store(ns_id, [h], [make_chunk(i)]) == 1
+    return hashes
+
+
+def test_ssd_tier_keeps_demoted_chunks_across_a_restart(tmp_path: Path) -> None:
+    ssd = tmp_path / "ssd"
+    args = ("--cpu-bytes", "1MiB", "--ssd-path", str(ssd), "--ssd-bytes", "64MiB")
+    first = start_server(tmp_path, *args)
+    try:
+        hashes = store_all(first.socket)
+        with CacheClient(first.socket) as c:
+            tiers = c.lookup(c.register_namespace(NS), hashes).tiers
+        assert len(tiers) == CHUNKS and tiers[0] == "ssd" and tiers[-1] == "cpu"
+        num_on_ssd = tiers.count("ssd")
+        assert first.stop() == 0
+    finally:
+        first.cleanup()
+    second = start_server(tmp_path, *args)
+    try:
+        with CacheClient(second.socket) as c:
+            ns_id = c.register_namespace(NS)
+            found = c.lookup(ns_id, hashes)
+            assert found.num_hit_chunks == num_on_ssd and set(found.tiers) == {"ssd"}
+            got = c.load(ns_id, hashes[:4])  # promoted into the new arena
+            assert got == [make_chunk(i) for i in range(4)]
+            assert c.lookup(ns_id, hashes[:4]).tiers == ["cpu"] * 4
+        metrics = httpx.get(f"{second.http_url}/metrics", timeout=5).text
+        assert 'lmcache_svc_promotions_total{tier="cpu"} 4.0' in metrics
+    finally:
+        second.cleanup()
+
+
+def test_two_servers_share_chunks_through_redis(tmp_path: Path, redis_server) -> None:
+    args = ("--redis-url", redis_server.url, "--redis-bytes", "256MiB")
+    env = {"LMCACHE_SVC_REDIS__KEY_PREFIX": f"e2e-{time.monotonic_ns()}:"}
+    a = start_server(tmp_path, *args, env=env)
+    b = start_server(tmp_path, *args, env=env)
+    try:
+        hashes = chunk_hashes(NS, list(range(4 * 256)))
+        with CacheClient(a.socket) as ca:
+            ca.store(ca.register_namespace(NS), hashes, [make_chunk(i) for i in range(4)])
+        with CacheClient(b.socket) as cb:
+            ns_id = cb.register_namespace(NS)
+            deadline = time.monotonic() + 10  # write-through is asynchronous
+            while cb.lookup(ns_id, hashes).num_hit_chunks < 4 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert cb.lookup(ns_id, hashes).tiers == ["redis"] * 4
+            assert cb.load(ns_id, hashes) == [make_chunk(i) for i in range(4)]
+            assert cb.lookup(ns_id, hashes).tiers == ["cpu"] * 4
+    finally:
+        a.cleanup()
+        b.cleanup()
+
+
+def test_a_dead_redis_is_a_miss_not_a_failure(tmp_path: Path, redis_factory) -> None:
+    redis = redis_factory()
+    server = start_server(
+        tmp_path, "--redis-url", redis.url, env={"LMCACHE_SVC_REDIS__TIMEOUT_S": "0.5"}
+    )
+    try:
+        redis.stop()
+        hashes = chunk_hashes(NS, list(range(3 * 256)))
+        with CacheClient(server.socket, timeout_s=10) as c:
+            ns_id = c.register_namespace(NS)
+            assert c.store(ns_id, hashes[:2], [make_chunk(0), make_chunk(1)]) == 2
+            started = time.monotonic()
+            found = c.lookup(ns_id, hashes)
+            assert found.num_hit_chunks == 2 and time.monotonic() - started < 5
+            assert c.load(ns_id, hashes) == [make_chunk(0), make_chunk(1)]
+        metrics = httpx.get(f"{server.http_url}/metrics", timeout=5).text
+        assert 'lmcache_svc_errors_total{kind="tier_unavailable"}' in metrics
+    finally:
+        server.cleanup()
