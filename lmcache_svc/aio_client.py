@@ -1,35 +1,76 @@
-"""The asyncio Python client of the cache server (inline transfers, for tools and remote
-callers); see ``client.py`` for the blocking client with the shared-memory path."""
+"""The asyncio Python client of the cache server: ``AsyncCacheClient``.
+
+Same contract as the blocking ``CacheClient`` (``client.py``): the shared-memory path
+(``prepare_store``/``commit_store``, ``prepare_load``/``release_load``) when the server's
+segment can be mapped here, inline streams otherwise, and automatic recovery of namespaces
+and sessions after a server restart."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Sequence
 from typing import Any
 
 import grpc
 
 from lmcache_svc import errors
+from lmcache_svc.arena import ArenaMapping
 from lmcache_svc.keys import Namespace, NamespaceId
 from lmcache_svc.rpc import (
     GetAssembler,
+    LoadLease,
     LookupResult,
+    StoreSlot,
     auth_metadata,
+    check_mapping,
     client_channel_options,
     convert_rpc_error,
     grpc_target,
+    load_lease,
+    map_segment,
     put_parts,
     stats_dict,
+    store_slots,
 )
 from lmcache_svc.v1 import cache_pb2 as pb
 from lmcache_svc.v1 import cache_pb2_grpc as pb_grpc
 from lmcache_svc.wire import namespace_to_pb
 
 
+class _AsyncSession:
+    """An open session stream and the mapped segment; dead once the stream ends."""
+
+    def __init__(self, call: Any, event: pb.SessionEvent) -> None:
+        self.session_id = event.session_id
+        self.mapping, self.segment_name = map_segment(event)
+        self._call = call
+        self.alive = True
+        self._task = asyncio.get_running_loop().create_task(self._watch())
+
+    async def _watch(self) -> None:
+        try:
+            while await self._call.read() is not grpc.aio.EOF:
+                pass
+        except (grpc.RpcError, asyncio.CancelledError):
+            pass
+        self.alive = False
+
+    def close(self) -> None:
+        self.alive = False
+        self._call.cancel()
+
+
 class AsyncCacheClient:
-    """asyncio client over inline transfers (for tools and remote callers)."""
+    """asyncio client; one per event loop. Use ``async with`` or ``await close()``."""
 
     def __init__(
-        self, address: str, *, timeout_s: float = 5.0, auth_token: str | None = None
+        self,
+        address: str,
+        *,
+        timeout_s: float = 5.0,
+        client_name: str = "",
+        use_shm: bool = True,
+        auth_token: str | None = None,
     ) -> None:
         self._target = grpc_target(address)
         self.timeout_s = timeout_s
@@ -37,6 +78,10 @@ class AsyncCacheClient:
         self._channel = grpc.aio.insecure_channel(self._target, options=client_channel_options())
         self._stub = pb_grpc.CacheServiceStub(self._channel)
         self._namespaces: dict[bytes, Namespace] = {}
+        self._client_name = client_name
+        self._use_shm = use_shm
+        self._session: _AsyncSession | None = None
+        self._session_lock = asyncio.Lock()
 
     async def __aenter__(self) -> AsyncCacheClient:
         return self
@@ -45,6 +90,9 @@ class AsyncCacheClient:
         await self.close()
 
     async def close(self) -> None:
+        if self._session is not None:
+            self._session.close()
+            self._session = None
         await self._channel.close()
 
     async def _call(self, method: str, request: Any) -> Any:
@@ -111,3 +159,133 @@ class AsyncCacheClient:
 
     async def stats(self) -> dict[str, Any]:
         return stats_dict(await self._call("Stats", pb.StatsRequest()))
+
+    # -- shared-memory path ------------------------------------------------------------------
+
+    async def _live_session(self) -> _AsyncSession:
+        async with self._session_lock:
+            if self._session is not None and self._session.alive:
+                return self._session
+            call = self._stub.OpenSession(
+                pb.OpenSessionRequest(client_name=self._client_name), metadata=self._metadata
+            )
+            try:
+                event = await asyncio.wait_for(call.read(), self.timeout_s)
+            except (grpc.RpcError, asyncio.TimeoutError) as e:
+                call.cancel()
+                if isinstance(e, grpc.RpcError):
+                    raise convert_rpc_error(e) from None
+                raise errors.ServerUnavailable(
+                    f"no session from the server within {self.timeout_s} s"
+                ) from None
+            if event is grpc.aio.EOF:
+                raise errors.ServerUnavailable("the server closed the session stream")
+            self._session = _AsyncSession(call, event)
+            return self._session
+
+    async def shm_available(self) -> bool:
+        """True when the server's segment is mapped here (same host); opens a session."""
+        if not self._use_shm:
+            return False
+        try:
+            return (await self._live_session()).mapping is not None
+        except errors.ServerUnavailable:
+            return False
+
+    async def _session_call(self, method: str, make_request: Any) -> tuple[_AsyncSession, Any]:
+        """A call that needs a live session; opens a new one once if the old one is gone."""
+        for attempt in (0, 1):
+            session = await self._live_session()
+            try:
+                return session, await self._ns_call(method, make_request(session.session_id))
+            except errors.UnknownSession:
+                if self._session is session:
+                    self._session = None
+                if attempt:
+                    raise
+        raise AssertionError("unreachable")
+
+    def _mapping_for(self, session: _AsyncSession, segment_name: str) -> ArenaMapping:
+        try:
+            return check_mapping(session.mapping, session.segment_name, segment_name)
+        except errors.ServerUnavailable:
+            self._session = None
+            raise
+
+    async def prepare_store(
+        self, namespace_id: bytes, chunk_hashes: Sequence[bytes]
+    ) -> list[StoreSlot]:
+        """Reserve slots; write each 'reserved' buffer, then ``commit_store`` those hashes."""
+        session, resp = await self._session_call(
+            "PrepareStore",
+            lambda sid: pb.PrepareStoreRequest(
+                namespace_id=namespace_id, chunk_hashes=chunk_hashes, session_id=sid
+            ),
+        )
+        return store_slots(resp, self._mapping_for(session, resp.segment_name))
+
+    async def commit_store(
+        self, namespace_id: bytes, chunk_hashes: Sequence[bytes], *, abort: bool = False
+    ) -> int:
+        session = await self._live_session()
+        resp = await self._ns_call(
+            "CommitStore",
+            pb.CommitStoreRequest(
+                namespace_id=namespace_id,
+                chunk_hashes=chunk_hashes,
+                session_id=session.session_id,
+                abort=abort,
+            ),
+        )
+        return int(resp.num_committed)
+
+    async def prepare_load(self, namespace_id: bytes, chunk_hashes: Sequence[bytes]) -> LoadLease:
+        """Lease the longest available prefix; read the buffers, then ``release_load``."""
+        session, resp = await self._session_call(
+            "PrepareLoad",
+            lambda sid: pb.PrepareLoadRequest(
+                namespace_id=namespace_id, chunk_hashes=chunk_hashes, session_id=sid
+            ),
+        )
+        if not resp.lease_id:
+            return LoadLease(None)
+        return load_lease(resp, self._mapping_for(session, resp.segment_name))
+
+    async def release_load(self, lease: LoadLease) -> bool:
+        if lease.lease_id is None:
+            return False
+        resp = await self._call("ReleaseLoad", pb.ReleaseLoadRequest(lease_id=lease.lease_id))
+        return bool(resp.released)
+
+    async def store(
+        self, namespace_id: bytes, chunk_hashes: Sequence[bytes], buffers: Sequence[Any]
+    ) -> int:
+        """Store chunks (shared memory when available, else inline); returns chunks stored."""
+        if not await self.shm_available():
+            return await self.put(namespace_id, list(zip(chunk_hashes, buffers)))
+        slots = await self.prepare_store(namespace_id, chunk_hashes)
+        reserved = [s.chunk_hash for s in slots if s.status == "reserved"]
+        try:
+            for slot, data in zip(slots, buffers):
+                if slot.buffer is not None:
+                    slot.buffer[:] = memoryview(data).cast("B")
+        except BaseException:
+            await self.commit_store(namespace_id, reserved, abort=True)
+            raise
+        committed = await self.commit_store(namespace_id, reserved)
+        return committed + sum(s.status == "already_stored" for s in slots)
+
+    async def load(self, namespace_id: bytes, chunk_hashes: Sequence[bytes]) -> list[bytes]:
+        """Bytes of the longest available prefix (shared memory when available, else inline)."""
+        if not await self.shm_available():
+            out: list[bytes] = []
+            for data in await self.get(namespace_id, chunk_hashes):
+                if data is None:
+                    break
+                out.append(data)
+            return out
+        lease = await self.prepare_load(namespace_id, chunk_hashes)
+        try:
+            return [bytes(b) for b in lease.buffers]
+        finally:
+            await self.release_load(lease)

@@ -17,8 +17,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 import grpc
 
@@ -28,14 +27,20 @@ from lmcache_svc.arena import ArenaMapping
 from lmcache_svc.keys import Namespace, NamespaceId
 from lmcache_svc.rpc import (
     GetAssembler,
+    LoadLease,
     LookupResult,
+    StoreSlot,
     auth_metadata,
+    check_mapping,
     client_channel_options,
     convert_rpc_error,
     default_address,
     grpc_target,
+    load_lease,
+    map_segment,
     put_parts,
     stats_dict,
+    store_slots,
 )
 from lmcache_svc.v1 import cache_pb2 as pb
 from lmcache_svc.v1 import cache_pb2_grpc as pb_grpc
@@ -50,44 +55,13 @@ __all__ = [
     "default_address",
 ]
 
-StoreStatus = Literal["reserved", "already_stored", "no_space", "in_progress"]
-_STATUS_NAMES: dict[int, StoreStatus] = {
-    pb.RESERVED: "reserved",
-    pb.ALREADY_STORED: "already_stored",
-    pb.NO_SPACE: "no_space",
-    pb.IN_PROGRESS: "in_progress",
-}
-
-
-@dataclass(frozen=True, slots=True)
-class StoreSlot:
-    """A chunk's answer to ``prepare_store``: write ``buffer`` when status is 'reserved'."""
-
-    chunk_hash: bytes
-    status: StoreStatus
-    buffer: memoryview | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class LoadLease:
-    """Views of the leased prefix's bytes in the shared segment, valid until released."""
-
-    lease_id: str | None
-    buffers: list[memoryview] = field(default_factory=list)
-
 
 class _Session:
     """An open session stream and the mapped segment; dead once the stream ends."""
 
     def __init__(self, stream: Any, event: pb.SessionEvent) -> None:
         self.session_id = event.session_id
-        self.mapping: ArenaMapping | None = None
-        for seg in event.segments:
-            if seg.transport == "shm":
-                # Pre-faulting the client's mapping in the background makes first copies
-                # about 5x faster on small VMs (measured in arena.py's docstring).
-                self.mapping = ArenaMapping.open(seg.name, seg.size, seg.nonce, prefault=True)
-                self.segment_name = seg.name
+        self.mapping, self.segment_name = map_segment(event)
         self._stream = stream
         self.alive = True
         threading.Thread(target=self._watch, name="lmcache-svc-session", daemon=True).start()
@@ -230,15 +204,7 @@ class CacheClient:
                 namespace_id=namespace_id, chunk_hashes=chunk_hashes, session_id=sid
             ),
         )
-        mapping = self._mapping_for(session, resp.segment_name)
-        return [
-            StoreSlot(
-                s.chunk_hash,
-                _STATUS_NAMES[s.status],
-                mapping.view(s.offset, s.length) if s.status == pb.RESERVED else None,
-            )
-            for s in resp.slots
-        ]
+        return store_slots(resp, self._mapping_for(session, resp.segment_name))
 
     def commit_store(
         self, namespace_id: bytes, chunk_hashes: Sequence[bytes], *, abort: bool = False
@@ -265,8 +231,7 @@ class CacheClient:
         )
         if not resp.lease_id:
             return LoadLease(None)
-        mapping = self._mapping_for(session, resp.segment_name)
-        return LoadLease(resp.lease_id, [mapping.view(s.offset, s.length) for s in resp.slots])
+        return load_lease(resp, self._mapping_for(session, resp.segment_name))
 
     def release_load(self, lease: LoadLease) -> bool:
         if lease.lease_id is None:
@@ -276,15 +241,12 @@ class CacheClient:
         )
 
     def _mapping_for(self, session: _Session, segment_name: str) -> ArenaMapping:
-        if session.mapping is None:
-            raise errors.InvalidArgument(
-                "the server's shared segment is not mapped here (another host?); use put/get"
-            )
-        if segment_name != session.segment_name:
+        try:
+            return check_mapping(session.mapping, session.segment_name, segment_name)
+        except errors.ServerUnavailable:
             with self._lock:
                 self._session = None
-            raise errors.ServerUnavailable("the server restarted during the call; try again")
-        return session.mapping
+            raise
 
     # -- convenience and inline transfers ------------------------------------------------
 

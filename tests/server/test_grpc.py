@@ -359,3 +359,27 @@ def test_stats_command(server: ServerProc) -> None:
         cwd=ROOT,
     )
     assert down.returncode == 1 and "unavailable" in down.stderr
+
+
+def test_async_client_uses_the_shared_segment(server: ServerProc) -> None:
+    import asyncio
+
+    hashes = chunk_hashes(NS, list(range(768)))
+    chunks = [make_chunk(i) for i in range(3)]
+
+    async def use_async() -> tuple[bool, int, list[bytes], int]:
+        async with AsyncCacheClient(server.socket) as a:
+            ns_id = await a.register_namespace(NS)
+            shm = await a.shm_available()
+            stored = await a.store(ns_id, hashes, chunks)
+            loaded = await a.load(ns_id, hashes)
+            lease = await a.prepare_load(ns_id, hashes[:2])
+            pinned = (await a.stats())["active_leases"]
+            await a.release_load(lease)
+            return shm, stored, loaded, pinned
+
+    shm, stored, loaded, pinned = asyncio.run(use_async())
+    assert shm and stored == 3 and loaded == chunks and pinned == 1
+    with CacheClient(server.grpc, use_shm=False) as c:
+        assert c.get(c.register_namespace(NS), hashes) == chunks
+        assert c.stats()["active_leases"] == 0
