@@ -5,6 +5,7 @@ set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
 scripts/setup.sh --dev
+scripts/setup_ops.sh
 if [ -z "${LMCACHE_SVC_SKIP_VLLM:-}" ] && [ -f scripts/setup_vllm.sh ]; then
   bash scripts/setup_vllm.sh
 fi
