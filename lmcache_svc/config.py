@@ -41,8 +41,10 @@ class _Section(BaseModel):
 class CpuConfig(_Section):
     capacity: ByteSize = Field(ByteSize(1 << 30), gt=0)
     """Size of the shared-memory arena (the first tier)."""
-    slab: ByteSize = Field(ByteSize(64 << 20), ge=4096)
-    """Slab size of the allocator; chunks larger than a slab take a run of slabs."""
+    slab: ByteSize | None = Field(None, ge=4096)
+    """Slab size of the allocator; chunks larger than a slab take a run of slabs. Default:
+    capacity / 16, at most 64 MiB (so a small arena still has slabs for several chunk
+    sizes)."""
     shm_name: str | None = None
     """Name under /dev/shm; default: lmcache-svc-<pid>-<random>."""
     shm_mode: int = Field(0o600, ge=0, le=0o777)
@@ -54,13 +56,12 @@ class CpuConfig(_Section):
     @field_validator("shm_mode", mode="before")
     @classmethod
     def _octal(cls, value: Any) -> Any:
-        """Accept "0o660" / "660" strings as octal (YAML reads 0o660 as a string)."""
-        if isinstance(value, str):
-            try:
-                return int(value.removeprefix("0o"), 8)
-            except ValueError:
-                raise ValueError(f"shm_mode must be octal like 0o600, got {value!r}") from None
-        return value
+        return _parse_octal(value)
+
+    def slab_bytes(self) -> int:
+        if self.slab is not None:
+            return int(self.slab)
+        return min(64 << 20, max(4096, int(self.capacity) // 16 // 4096 * 4096))
 
 
 class SsdConfig(_Section):
@@ -142,6 +143,9 @@ class Config(_Section):
     """gRPC TCP port; 0 = any free port; null = Unix socket only."""
     socket: Path | None = Field(default_factory=default_socket_path)
     """gRPC Unix socket path; null = TCP only."""
+    socket_mode: int = Field(0o600, ge=0, le=0o777)
+    """Permissions of the Unix socket: 0o600 = only the server's user may connect; 0o660 lets
+    the engine's group in (its directory is made 0o711 then)."""
     auth_token: str | None = None
     """Bearer token required on every call (except health checks) when set."""
     allow_unauthenticated: bool = False
@@ -159,6 +163,11 @@ class Config(_Section):
     redis: RedisConfig = Field(default_factory=RedisConfig)
     cache: CacheConfig = Field(default_factory=CacheConfig)
 
+    @field_validator("socket_mode", mode="before")
+    @classmethod
+    def _octal(cls, value: Any) -> Any:
+        return _parse_octal(value)
+
     @model_validator(mode="after")
     def _check_exposure(self) -> Config:
         if self.http_port is None and self.grpc_port is None and self.socket is None:
@@ -175,6 +184,16 @@ class Config(_Section):
                 "(or allow_unauthenticated: true if a network policy protects the port)"
             )
         return self
+
+
+def _parse_octal(value: Any) -> Any:
+    """Accept "0o660" / "660" strings as octal (YAML reads 0o660 as a string)."""
+    if isinstance(value, str):
+        try:
+            return int(value.removeprefix("0o"), 8)
+        except ValueError:
+            raise ValueError(f"must be octal like 0o600, got {value!r}") from None
+    return value
 
 
 def _is_loopback(host: str) -> bool:

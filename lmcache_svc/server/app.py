@@ -36,7 +36,7 @@ def build_cache(config: Config) -> TieredCache:
     c = config.cpu
     arena = Arena.create(
         int(c.capacity),
-        slab_bytes=int(c.slab),
+        slab_bytes=c.slab_bytes(),
         name=c.shm_name,
         mode=c.shm_mode,
         prefault=c.prefault,
@@ -102,9 +102,9 @@ def _bind_tcp(host: str, port: int) -> socket.socket:
     return sock
 
 
-def _prepare_socket_path(path: Path) -> None:
-    """Create the socket's directory (0700) and remove a stale socket file."""
-    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+def _prepare_socket_path(path: Path, mode: int) -> None:
+    """Create the socket's directory and remove a stale socket file; refuse a live one."""
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700 if mode & 0o077 == 0 else 0o711)
     if not path.exists():
         return
     probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -118,6 +118,17 @@ def _prepare_socket_path(path: Path) -> None:
     raise ConfigError(f"another server is already listening on {path}")
 
 
+def _remove_stale_segment(config: Config) -> None:
+    """A fixed-name segment left by a killed server (no one answers on its socket) goes."""
+    name = config.cpu.shm_name
+    if name is None or config.socket is None:
+        return
+    path = Path("/dev/shm", name)
+    if path.exists():
+        log.warning("removing %s, left by a server that is gone", path)
+        path.unlink(missing_ok=True)
+
+
 class Service:
     def __init__(self, config: Config) -> None:
         self.config = config
@@ -128,6 +139,9 @@ class Service:
 
     async def run(self) -> None:
         cfg = self.config
+        if cfg.socket is not None:
+            _prepare_socket_path(cfg.socket, cfg.socket_mode)
+            _remove_stale_segment(cfg)
         cache = build_cache(cfg)
         cache.start()
         grpc_server, servicer, health = build_grpc_server(
@@ -141,7 +155,6 @@ class Service:
         http_task: asyncio.Task[None] | None = None
         try:
             if cfg.socket is not None:
-                _prepare_socket_path(cfg.socket)
                 grpc_server.add_insecure_port(f"unix:{cfg.socket}")
                 addresses["socket"] = str(cfg.socket)
             if cfg.grpc_port is not None:
@@ -151,7 +164,7 @@ class Service:
                 addresses["grpc"] = _host_port(cfg.host, port)
             await grpc_server.start()
             if cfg.socket is not None:
-                os.chmod(cfg.socket, 0o600)
+                os.chmod(cfg.socket, cfg.socket_mode)
             await set_serving(health, True)
             if cfg.http_port is not None:
                 sock = _bind_tcp(cfg.host, cfg.http_port)

@@ -383,3 +383,27 @@ def test_async_client_uses_the_shared_segment(server: ServerProc) -> None:
     with CacheClient(server.grpc, use_shm=False) as c:
         assert c.get(c.register_namespace(NS), hashes) == chunks
         assert c.stats()["active_leases"] == 0
+
+
+def test_a_fixed_segment_name_survives_a_hard_kill(tmp_path: Path) -> None:
+    name = f"lmcache-svc-test-{os.getpid()}"
+    sock = f"/tmp/lmc-fixed-{os.getpid()}.sock"
+    args = ("--shm-name", name)
+    first = start_server(tmp_path, *args, socket_path=sock)
+    first.proc.kill()  # no clean-up: the segment and the socket file stay
+    first.proc.wait()
+    assert Path("/dev/shm", name).exists()
+    second = start_server(tmp_path, *args, socket_path=sock,
+                          env={"LMCACHE_SVC_SOCKET_MODE": "0o660"})
+    try:
+        assert oct(os.stat(sock).st_mode & 0o777) == "0o660"
+        with CacheClient(sock) as c:
+            assert c.shm_available
+            assert c.store(c.register_namespace(NS), chunk_hashes(NS, range(256)),
+                           [make_chunk(0)]) == 1
+        with pytest.raises(RuntimeError, match="already listening"):
+            start_server(tmp_path, *args, socket_path=sock, timeout_s=15)
+        assert Path("/dev/shm", name).exists()  # the live server's segment was left alone
+    finally:
+        second.cleanup()
+        first.cleanup()
