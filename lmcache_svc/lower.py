@@ -193,6 +193,7 @@ class LowerTiers:
     def _failed(self, tier: Tier, error: TierError) -> None:
         log.warning("tier %s failed: %s", tier.name, error)
         self._metrics.errors.labels(kind=error.kind).inc()
+        self._metrics.tier_errors.labels(tier=tier.name, kind=error.kind).inc()
 
     def close(self) -> None:
         for lt in self._tiers:

@@ -122,6 +122,12 @@ class Metrics:
         self.errors = Counter(
             "lmcache_svc_errors", "Errors by kind (see lmcache_svc/errors.py)", ["kind"], registry=r
         )
+        self.tier_errors = Counter(
+            "lmcache_svc_tier_errors",
+            "Failures of a tier's backend (I/O error, Redis down, corrupted bytes)",
+            ["tier", "kind"],
+            registry=r,
+        )
         self.expired = Counter(
             "lmcache_svc_expired",
             "Leases and reservations reclaimed by timeout or disconnect",

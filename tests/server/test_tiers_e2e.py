@@ -91,5 +91,6 @@ def test_a_dead_redis_is_a_miss_not_a_failure(tmp_path: Path, redis_factory) -> 
             assert c.load(ns_id, hashes) == [make_chunk(0), make_chunk(1)]
         metrics = httpx.get(f"{server.http_url}/metrics", timeout=5).text
         assert 'lmcache_svc_errors_total{kind="tier_unavailable"}' in metrics
+        assert 'lmcache_svc_tier_errors_total{kind="tier_unavailable",tier="redis"}' in metrics
     finally:
         server.cleanup()
