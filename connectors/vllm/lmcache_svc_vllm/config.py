@@ -1,0 +1,125 @@
+"""The plugin's settings: ``kv_connector_extra_config`` parsed and validated once.
+
+Every key is documented in ``docs/vllm.md``; an unknown key or a value of the wrong type
+is a start-up error that names the key, so a typo never silently falls back to a default.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any, Literal, get_args
+
+from lmcache_svc.errors import ConfigError
+
+LoadMode = Literal["auto", "sync", "async"]
+AUTH_TOKEN_ENV = "LMCACHE_SVC_AUTH_TOKEN"
+
+
+@dataclass(frozen=True, slots=True)
+class ConnectorConfig:
+    """Validated ``kv_connector_extra_config``; field docs are the user-facing reference."""
+
+    url: str | None = None
+    """Server address: a Unix socket path (``/run/x.sock``, ``unix:/run/x.sock``) or
+    ``host:port``. Default: the server's default socket path."""
+    tenant: str = "default"
+    """Isolation label hashed into every key; engines of different tenants never share."""
+    model_id: str | None = None
+    """Name of the model in the key namespace. Default: vLLM's ``--model`` value."""
+    chunk_size: int = 256
+    """Tokens per stored chunk; a multiple of vLLM's block size."""
+    lookup_timeout_ms: float = 100.0
+    """Deadline of the scheduler's lookup; a slower answer counts as a miss."""
+    lookup_wait_ms: float = 5.0
+    """How long the scheduler waits inline for a lookup's answer; past it, vLLM is told
+    "not decided yet", runs its other requests, and asks again next step (0: never wait)."""
+    rpc_timeout_ms: float = 2000.0
+    """Deadline of the worker's store/load calls (prepare, commit, release)."""
+    retry_interval_s: float = 1.0
+    """After a failed call, skip the server this long (all misses), then try again."""
+    load_mode: LoadMode = "auto"
+    """``sync``: load inside the step that needs the KV. ``async``: load in the background
+    while other requests run (the request waits a step or two). ``auto``: async only for
+    loads of at least ``async_load_min_tokens`` while other requests are running."""
+    async_load_min_tokens: int = 4096
+    """``auto`` mode's threshold for the async path."""
+    use_shm: bool = True
+    """Move bytes through the server's shared segment when it is mapped here; ``false``
+    (or another host) streams them inline over gRPC instead."""
+    auth_token: str | None = None
+    """Bearer token for a server started with auth; default: $LMCACHE_SVC_AUTH_TOKEN."""
+    keep_load_failure_policy: bool = False
+    """By default the plugin sets vLLM's ``kv_load_failure_policy`` to ``recompute`` (a
+    cache that is down must not fail requests); ``true`` keeps the value you configured."""
+
+    def __post_init__(self) -> None:
+        _check_positive("chunk_size", self.chunk_size)
+        _check_positive("async_load_min_tokens", self.async_load_min_tokens)
+        for name in ("lookup_timeout_ms", "rpc_timeout_ms"):
+            _check_positive(name, getattr(self, name))
+        if self.lookup_wait_ms < 0:
+            raise ConfigError(f"lookup_wait_ms must be >= 0, got {self.lookup_wait_ms!r}")
+        if self.retry_interval_s < 0:
+            raise ConfigError(f"retry_interval_s must be >= 0, got {self.retry_interval_s!r}")
+        if self.load_mode not in get_args(LoadMode):
+            raise ConfigError(
+                f"load_mode must be one of {list(get_args(LoadMode))}, got {self.load_mode!r}"
+            )
+        for name in ("tenant", "model_id", "url"):
+            value = getattr(self, name)
+            if value is not None and not value:
+                raise ConfigError(f"{name} must not be empty")
+
+    def check_block_size(self, block_size: int) -> None:
+        if self.chunk_size % block_size:
+            raise ConfigError(
+                f"chunk_size {self.chunk_size} must be a multiple of vLLM's block size "
+                f"{block_size} (set kv_connector_extra_config.chunk_size or --block-size)"
+            )
+
+    def resolved_auth_token(self) -> str | None:
+        return self.auth_token or os.environ.get(AUTH_TOKEN_ENV) or None
+
+
+_FLOAT_FIELDS = {"lookup_timeout_ms", "lookup_wait_ms", "rpc_timeout_ms", "retry_interval_s"}
+_INT_FIELDS = {"chunk_size", "async_load_min_tokens"}
+_BOOL_FIELDS = {"use_shm", "keep_load_failure_policy"}
+
+
+def parse_config(extra: Mapping[str, Any] | None) -> ConnectorConfig:
+    """``kv_connector_extra_config`` -> ``ConnectorConfig``, naming any bad key."""
+    extra = dict(extra or {})
+    known = [f.name for f in fields(ConnectorConfig)]
+    unknown = sorted(set(extra) - set(known))
+    if unknown:
+        raise ConfigError(
+            f"unknown key(s) {unknown} in kv_connector_extra_config for LMCacheSvcConnector; "
+            f"known keys: {known}"
+        )
+    values = {name: _coerce(name, value) for name, value in extra.items()}
+    return ConnectorConfig(**values)
+
+
+def _coerce(name: str, value: Any) -> Any:
+    if name in _BOOL_FIELDS:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{name} must be true or false, got {value!r}")
+        return value
+    if name in _INT_FIELDS:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{name} must be an integer, got {value!r}")
+        return value
+    if name in _FLOAT_FIELDS:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{name} must be a number, got {value!r}")
+        return float(value)
+    if value is not None and not isinstance(value, str):
+        raise ConfigError(f"{name} must be a string, got {value!r}")
+    return value
+
+
+def _check_positive(name: str, value: float) -> None:
+    if not value > 0:
+        raise ConfigError(f"{name} must be > 0, got {value!r}")

@@ -1,0 +1,237 @@
+"""``LMCacheSvcConnector``: vLLM's KV connector API, delegated to the two halves.
+
+vLLM creates one instance per role: SCHEDULER (engine core) delegates to
+``SchedulerSide``, WORKER (each worker process) to ``WorkerSide``; the halves talk only
+through ``LMCacheSvcMetadata``. Nothing here raises into vLLM once the engine is up: an
+unsupported engine set-up disables the plugin with one error log, and server faults are
+misses (``link.py``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+from vllm.platforms import current_platform
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from lmcache_svc_vllm.config import parse_config
+from lmcache_svc_vllm.engine import EngineKV, UnsupportedEngine, describe_engine
+from lmcache_svc_vllm.link import ServerLink
+from lmcache_svc_vllm.metadata import StepPlan
+from lmcache_svc_vllm.prom import LMCacheSvcPromMetrics, LMCacheSvcStats
+from lmcache_svc_vllm.scheduler import SchedulerSide
+from lmcache_svc_vllm.stats import StatsRecorder
+from lmcache_svc_vllm.worker import WorkerSide
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+logger = logging.getLogger(f"vllm.{__name__}")
+
+_TIER_SOURCES = {"cpu": CacheHitSource.HOST, "ssd": CacheHitSource.DISK}
+
+
+@dataclass
+class LMCacheSvcMetadata(KVConnectorMetadata):
+    plan: StepPlan = field(default_factory=StepPlan)
+
+
+class LMCacheSvcConnector(KVConnectorBase_V1):
+    _cache_hit_source = CacheHitSource.HOST
+
+    def __init__(
+        self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
+    ) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        self._config = parse_config(self._kv_transfer_config.kv_connector_extra_config)
+        self._stats = StatsRecorder()
+        self._scheduler: SchedulerSide | None = None
+        self._worker: WorkerSide | None = None
+        try:
+            engine = describe_engine(
+                vllm_config, kv_cache_config, self._config, current_platform.device_type
+            )
+        except UnsupportedEngine as e:
+            logger.error("lmcache-svc plugin disabled: %s", e)
+            return
+        if role == KVConnectorRole.SCHEDULER:
+            self._scheduler = self._make_scheduler(engine)
+            self._set_load_failure_policy()
+        else:
+            self._worker = self._make_worker(engine)
+
+    def _make_scheduler(self, engine: EngineKV) -> SchedulerSide:
+        namespaces = engine.namespaces(self._config)
+        link = ServerLink(self._config, namespaces[0], f"vllm-scheduler-{os.getpid()}")
+        logger.info(
+            "lmcache-svc: server %s, namespace %s (model %s, tenant %s, %d-token chunks of "
+            "%d bytes)",
+            self._config.url or "<default socket>",
+            namespaces[0].namespace_id.hex(),
+            engine.model_id,
+            self._config.tenant,
+            self._config.chunk_size,
+            namespaces[0].chunk_bytes,
+        )
+        kv_config = self._kv_transfer_config
+        return SchedulerSide(
+            self._config,
+            namespaces,
+            engine.block_size,
+            link,
+            self._stats,
+            load=kv_config.is_kv_consumer,
+            save=kv_config.is_kv_producer,
+        )
+
+    def _make_worker(self, engine: EngineKV) -> WorkerSide:
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+        tp_rank = get_tensor_model_parallel_rank() if engine.tp_size > 1 else 0
+        namespace = engine.namespace(self._config, tp_rank)
+        link = ServerLink(self._config, namespace, f"vllm-worker-{tp_rank}-{os.getpid()}")
+        return WorkerSide(
+            namespace,
+            link,
+            self._stats,
+            num_blocks=engine.num_blocks,
+            page_order=engine.page_order,
+        )
+
+    def _set_load_failure_policy(self) -> None:
+        """A best-effort cache: a failed load is recomputed, never a failed request."""
+        kv_config = self._kv_transfer_config
+        if self._config.keep_load_failure_policy or kv_config.kv_load_failure_policy == "recompute":
+            return
+        logger.info("lmcache-svc: setting kv_load_failure_policy=recompute")
+        kv_config.kv_load_failure_policy = "recompute"
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False
+
+    # ==============================
+    # Worker-side methods
+    # ==============================
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        if self._worker is not None:
+            self._worker.register_kv_caches(kv_caches)
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        if self._worker is not None:
+            self._worker.bind(self._plan())
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        if self._worker is not None:
+            self._worker.start_load(self._plan())
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return
+
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
+    ) -> None:
+        return
+
+    def wait_for_save(self) -> None:
+        if self._worker is not None and self.has_connector_metadata():
+            self._worker.wait_for_save(self._plan())
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        if self._worker is None:
+            return None, None
+        return None, self._worker.take_finished() or None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._worker.take_load_errors() if self._worker is not None else set()
+
+    def get_kv_connector_stats(self) -> LMCacheSvcStats | None:
+        data = self._stats.take()
+        return None if data is None else LMCacheSvcStats(data=data)
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.shutdown()
+        if self._scheduler is not None:
+            self._scheduler.shutdown()
+
+    def _plan(self) -> StepPlan:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, LMCacheSvcMetadata), f"unexpected metadata {type(meta)}"
+        return meta.plan
+
+    # ==============================
+    # Scheduler-side methods
+    # ==============================
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        if self._scheduler is None:
+            return 0, False
+        return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        if self._scheduler is not None and num_external_tokens > 0:
+            block_ids = blocks.get_block_ids()[0]
+            self._scheduler.update_state_after_alloc(request, block_ids, num_external_tokens)
+
+    def get_external_cache_hit_sources(
+        self, request: Request, num_external_tokens: int
+    ) -> dict[CacheHitSource, int]:
+        if self._scheduler is None:
+            return super().get_external_cache_hit_sources(request, num_external_tokens)
+        sources: dict[CacheHitSource, int] = {}
+        for tier, n in self._scheduler.hit_tiers(request.request_id, num_external_tokens).items():
+            source = _TIER_SOURCES.get(tier, CacheHitSource.EXTERNAL_UNSPECIFIED)
+            sources[source] = sources.get(source, 0) + n
+        return sources
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        if self._scheduler is None:
+            return LMCacheSvcMetadata()
+        return LMCacheSvcMetadata(self._scheduler.build_step_plan(scheduler_output))
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        if self._scheduler is not None and connector_output.invalid_block_ids:
+            self._scheduler.on_invalid_blocks(set(connector_output.invalid_block_ids))
+
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        if self._scheduler is not None:
+            self._scheduler.request_finished(request.request_id)
+        return False, None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> LMCacheSvcStats:
+        return LMCacheSvcStats(data=data) if data is not None else LMCacheSvcStats()
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> LMCacheSvcPromMetrics:
+        return LMCacheSvcPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)

@@ -1,0 +1,227 @@
+"""The plugin's connection to the server: never raises, never blocks for long.
+
+Every call goes through ``ServerLink._guarded``: a failed or slow call is logged once per
+outage and answered with ``None`` (a miss, "nothing stored"), and after a failure the server
+is not asked at all for ``retry_interval_s``, doubling while it stays down (up to
+``MAX_RETRY_INTERVAL_S``) -- so a dead or hung server costs vLLM one timeout now and then,
+not one per request. The client underneath reconnects by itself and re-registers
+the namespace after a server restart.
+
+Bulk bytes take the shared segment when the server's segment is mapped here; otherwise
+(another host, or ``use_shm: false``) they are streamed inline. ``reserve``/``publish``
+and ``acquire``/``release`` hide the difference from the worker.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TypeVar
+
+from lmcache_svc.client import CacheClient, LoadLease, LookupResult
+from lmcache_svc.errors import LMCacheSvcError, ServerUnavailable
+from lmcache_svc.keys import Namespace, NamespaceId
+from lmcache_svc_vllm.config import ConnectorConfig
+
+logger = logging.getLogger(f"vllm.{__name__}")
+T = TypeVar("T")
+MAX_RETRY_INTERVAL_S = 30.0
+
+
+@dataclass(slots=True)
+class Reservation:
+    """Writable chunk buffers for a store; ``hashes[i]`` is written into ``buffers[i]``."""
+
+    hashes: list[bytes]
+    buffers: list[memoryview]
+    inline: bool
+
+
+@dataclass(slots=True)
+class Acquired:
+    """Readable buffers of the available prefix of the requested chunks."""
+
+    buffers: list[memoryview]
+    lease: LoadLease | None
+
+
+class ServerLink:
+    """One namespace's view of the server, shared by the threads of one connector half."""
+
+    def __init__(self, config: ConnectorConfig, namespace: Namespace, client_name: str) -> None:
+        self.config = config
+        self.namespace = namespace
+        self._client = CacheClient(
+            config.url or _default_address(),
+            timeout_s=config.rpc_timeout_ms / 1000,
+            client_name=client_name,
+            use_shm=config.use_shm,
+            auth_token=config.resolved_auth_token(),
+        )
+        self._namespace_id: NamespaceId | None = None
+        self._down_until = 0.0
+        self._retry_interval_s = config.retry_interval_s
+        self._outage_logged = False
+        self._warned: dict[str, float] = {}
+        self._lock = threading.Lock()
+
+    # -- guarded calls -------------------------------------------------------------------
+
+    def _guarded(self, what: str, call: Callable[[NamespaceId], T]) -> T | None:
+        if time.monotonic() < self._down_until:
+            return None
+        try:
+            result = call(self._ensure_registered())
+        except ServerUnavailable as e:
+            self._mark_down(what, e)
+            return None
+        except LMCacheSvcError as e:
+            self._warn(what, e)
+            return None
+        except Exception as e:  # never into vLLM: a bug here must not fail a request
+            logger.exception("lmcache-svc %s failed unexpectedly", what)
+            self._mark_down(what, e)
+            return None
+        if self._outage_logged:
+            logger.info("lmcache-svc server is reachable again (%s)", what)
+            self._outage_logged = False
+        self._retry_interval_s = self.config.retry_interval_s
+        return result
+
+    def _warn(self, what: str, error: Exception) -> None:
+        """Log a refused call, at most once a minute per kind of call and error."""
+        key = f"{what}/{type(error).__name__}"
+        now = time.monotonic()
+        if now - self._warned.get(key, -60.0) >= 60.0:
+            self._warned[key] = now
+            logger.warning("lmcache-svc %s failed: %s", what, error)
+
+    def _ensure_registered(self) -> NamespaceId:
+        with self._lock:
+            if self._namespace_id is None:
+                self._namespace_id = self._client.register_namespace(self.namespace)
+            return self._namespace_id
+
+    def _mark_down(self, what: str, error: Exception) -> None:
+        self._down_until = time.monotonic() + self._retry_interval_s
+        if not self._outage_logged:
+            logger.warning(
+                "lmcache-svc server unavailable during %s (%s); serving without it, "
+                "next try in %.1f s",
+                what,
+                error,
+                self._retry_interval_s,
+            )
+            self._outage_logged = True
+        self._retry_interval_s = min(2 * self._retry_interval_s, MAX_RETRY_INTERVAL_S)
+
+    @property
+    def is_down(self) -> bool:
+        return time.monotonic() < self._down_until
+
+    def connect(self) -> None:
+        """Register the namespace now (at start-up), so the first lookup is one call."""
+        self._guarded("register_namespace", lambda ns: ns)
+
+    def warm_up(self) -> None:
+        """Worker start-up: register, open the session and map the shared segment now,
+        so the first save or load does not pay for it."""
+        self.connect()
+        self._use_shm()
+
+    # -- scheduler side ------------------------------------------------------------------
+
+    def lookup(self, hashes: Sequence[bytes]) -> LookupResult | None:
+        """The leading chunks the server holds; ``None`` when it could not tell in time."""
+        timeout_s = self.config.lookup_timeout_ms / 1000
+        return self._guarded(
+            "lookup", lambda ns: self._client.lookup(ns, hashes, timeout_s=timeout_s)
+        )
+
+    # -- worker side: stores -------------------------------------------------------------
+
+    def reserve(self, hashes: Sequence[bytes], chunk_bytes: int) -> Reservation | None:
+        """Buffers to write for the chunks the server wants (not stored, room available)."""
+        shm = self._use_shm()
+        if shm is None:  # no copies for a server that will not take them
+            return None
+        if not shm:
+            return Reservation(
+                list(hashes), [memoryview(bytearray(chunk_bytes)) for _ in hashes], True
+            )
+        slots = self._guarded("prepare_store", lambda ns: self._client.prepare_store(ns, hashes))
+        if slots is None:
+            return None
+        wanted = [s for s in slots if s.status == "reserved" and s.buffer is not None]
+        return Reservation([s.chunk_hash for s in wanted], [s.buffer for s in wanted], False)  # type: ignore[misc]
+
+    def publish(self, reservation: Reservation, *, abort: bool = False) -> int:
+        """Commit (or give back) a reservation's chunks; returns the chunks now stored."""
+        if not reservation.hashes:
+            return 0
+        if reservation.inline:
+            if abort:
+                return 0
+            items = list(zip(reservation.hashes, reservation.buffers))
+            stored = self._guarded("put", lambda ns: self._client.put(ns, items))
+        else:
+            stored = self._guarded(
+                "commit_store",
+                lambda ns: self._client.commit_store(ns, reservation.hashes, abort=abort),
+            )
+        return stored or 0
+
+    # -- worker side: loads --------------------------------------------------------------
+
+    def acquire(self, hashes: Sequence[bytes]) -> Acquired | None:
+        """Buffers of the longest available prefix of ``hashes`` (pinned until release)."""
+        shm = self._use_shm()
+        if shm is None:
+            return None
+        if not shm:
+            found = self._guarded("get", lambda ns: self._client.get(ns, hashes))
+            if found is None:
+                return None
+            prefix = _leading(found)
+            return Acquired([memoryview(bytearray(b)) for b in prefix], None)
+        lease = self._guarded("prepare_load", lambda ns: self._client.prepare_load(ns, hashes))
+        if lease is None:
+            return None
+        return Acquired(list(lease.buffers), lease)
+
+    def release(self, acquired: Acquired) -> None:
+        lease = acquired.lease
+        if lease is not None and lease.lease_id is not None:
+            self._guarded("release_load", lambda ns: self._client.release_load(lease))
+
+    def _use_shm(self) -> bool | None:
+        """Whether bulk bytes go through the shared segment; None: the server is down."""
+        if self.is_down:
+            return None
+        if not self.config.use_shm:
+            return False
+        return self._guarded("open_session", lambda ns: self._client.shm_available)
+
+    def close(self) -> None:
+        try:
+            self._client.close()
+        except Exception:  # shutting down: nothing useful to do with it
+            logger.debug("closing the lmcache-svc client failed", exc_info=True)
+
+
+def _leading(found: list[bytes | None]) -> list[bytes]:
+    prefix: list[bytes] = []
+    for data in found:
+        if data is None:
+            break
+        prefix.append(data)
+    return prefix
+
+
+def _default_address() -> str:
+    from lmcache_svc.client import default_address
+
+    return default_address()

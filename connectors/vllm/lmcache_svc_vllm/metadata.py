@@ -1,0 +1,54 @@
+"""What the scheduler half tells the worker half each step: plain data only.
+
+The scheduler decides *what* moves (which chunks, into or out of which KV blocks); the
+worker does the copies. The plans hold only ints, bytes and strings so they pickle cheaply
+and identically across the engine-core and worker processes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True, slots=True)
+class LoadPlan:
+    """Copy the tail of a request's external hit from the server into its KV blocks.
+
+    ``chunk_hashes[r]`` are tensor-parallel rank ``r``'s hashes of the chunks to read, in
+    token order. The first chunk may be partly covered by vLLM's own prefix cache: only its
+    blocks from ``first_block`` on are copied. ``block_ids`` are the destination blocks, one
+    per block of the loaded range, in token order.
+    """
+
+    req_id: str
+    chunk_hashes: tuple[tuple[bytes, ...], ...]
+    first_block: int
+    block_ids: tuple[int, ...]
+    is_async: bool
+
+    def hashes_for(self, tp_rank: int) -> tuple[bytes, ...]:
+        return self.chunk_hashes[tp_rank]
+
+
+@dataclass(frozen=True, slots=True)
+class SavePlan:
+    """Copy full chunks that this step completes from KV blocks to the server.
+
+    ``block_ids`` holds ``blocks_per_chunk`` source blocks per chunk, in token order.
+    """
+
+    req_id: str
+    chunk_hashes: tuple[tuple[bytes, ...], ...]
+    block_ids: tuple[int, ...]
+
+    def hashes_for(self, tp_rank: int) -> tuple[bytes, ...]:
+        return self.chunk_hashes[tp_rank]
+
+
+@dataclass(slots=True)
+class StepPlan:
+    loads: list[LoadPlan] = field(default_factory=list)
+    saves: list[SavePlan] = field(default_factory=list)
+
+    def is_empty(self) -> bool:
+        return not self.loads and not self.saves

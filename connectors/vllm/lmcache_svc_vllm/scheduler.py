@@ -1,0 +1,281 @@
+"""Scheduler half: decides what to load and what to save; moves no bytes.
+
+Per request: hash the prompt's full chunks (once, for every tensor-parallel rank), ask the
+server in one call how many leading chunks it holds, answer vLLM with the chunk-aligned
+hit beyond vLLM's own prefix cache (capped so at least one prompt token is computed), and
+turn vLLM's block allocation into a ``LoadPlan``. Each step, chunks that the step completes
+become a ``SavePlan``. Chunks the server already holds are not saved again.
+
+Runs inside vLLM's scheduler loop, so nothing here may block for long or raise. Hashing
+and the lookup run on a small thread pool; the scheduler waits for the answer at most
+``lookup_wait_ms`` and otherwise tells vLLM "not decided yet" (``None``), which makes vLLM
+ask again on its next step while it keeps running the other requests. The lookup itself
+has a deadline (``lookup_timeout_ms``) after which it is a miss (``link.py``).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass, field
+from typing import Any
+
+from lmcache_svc.client import LookupResult
+from lmcache_svc.keys import Namespace, chunk_hashes
+from lmcache_svc_vllm.config import ConnectorConfig
+from lmcache_svc_vllm.link import ServerLink
+from lmcache_svc_vllm.metadata import LoadPlan, SavePlan, StepPlan
+from lmcache_svc_vllm.stats import StatsRecorder
+
+logger = logging.getLogger(f"vllm.{__name__}")
+
+
+Hashes = tuple[tuple[bytes, ...], ...]  # [tp_rank][chunk], full prompt chunks only
+
+
+@dataclass(frozen=True, slots=True)
+class LookupAnswer:
+    hashes: Hashes
+    result: LookupResult | None  # None: the server did not answer in time
+    seconds: float  # the lookup call alone
+
+
+@dataclass(slots=True)
+class RequestState:
+    """What the scheduler half remembers about one live request."""
+
+    num_prompt_tokens: int
+    pending: Future[LookupAnswer] | None = None
+    started: float = 0.0
+    hashes: Hashes = ((),)
+    num_hit_chunks: int = 0  # leading chunks the server held at lookup (0 if unknown)
+    tiers: list[str] = field(default_factory=list)
+    num_saved_chunks: int = 0  # chunks [0, n) are stored or being stored
+    load_start: int = 0  # first token of the pending load (vLLM's local hit)
+    load_async: bool = False
+    loaded_block_ids: tuple[int, ...] = ()
+    loaded_first_chunk: int = 0
+    loaded_first_block: int = 0
+
+
+class SchedulerSide:
+    def __init__(
+        self,
+        config: ConnectorConfig,
+        namespaces: Sequence[Namespace],
+        block_size: int,
+        link: ServerLink,
+        stats: StatsRecorder,
+        *,
+        load: bool = True,
+        save: bool = True,
+    ) -> None:
+        self.config = config
+        self.load_enabled, self.save_enabled = load, save
+        self.namespaces = list(namespaces)
+        self.block_size = block_size
+        self.blocks_per_chunk = config.chunk_size // block_size
+        self.link = link
+        self.stats = stats
+        self._requests: dict[str, RequestState] = {}
+        self._loads: list[LoadPlan] = []
+        self._num_running = 0
+        # One thread, started now: a thread's first gRPC call can hold the GIL for tens of
+        # milliseconds (measured), which would stall the scheduler thread meanwhile.
+        self._lookups = ThreadPoolExecutor(1, thread_name_prefix="lmcache-svc-lookup")
+        self._lookups.submit(link.connect).result()
+
+    # -- lookup --------------------------------------------------------------------------
+
+    def get_num_new_matched_tokens(
+        self, request: Any, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        state = self._requests.get(request.request_id)
+        if state is None:
+            state = self._start_lookup(request)
+            if state is None:
+                return 0, False
+            self._requests[request.request_id] = state
+        if not self._resolve(state):
+            return None, False  # vLLM asks again next step
+        if not self.load_enabled:
+            return 0, False
+        chunk = self.config.chunk_size
+        cap = (state.num_prompt_tokens - 1) // chunk * chunk
+        hit_tokens = min(state.num_hit_chunks * chunk, cap)
+        num_external = hit_tokens - num_computed_tokens
+        if num_external <= 0:
+            return 0, False
+        state.load_start = num_computed_tokens
+        state.load_async = self._use_async(num_external)
+        return num_external, state.load_async
+
+    def _start_lookup(self, request: Any) -> RequestState | None:
+        token_ids = _cacheable_prompt(request)
+        if token_ids is None:
+            return None
+        state = RequestState(len(token_ids), started=time.monotonic())
+        if len(token_ids) >= self.config.chunk_size:
+            state.pending = self._lookups.submit(self._lookup, token_ids)
+        return state
+
+    def _lookup(self, token_ids: list[int]) -> LookupAnswer:
+        """On a lookup thread: hash for every rank, ask the server about rank 0's chunks."""
+        hashes = tuple(tuple(chunk_hashes(ns, token_ids)) for ns in self.namespaces)
+        start = time.perf_counter()
+        result = self.link.lookup(hashes[0])
+        return LookupAnswer(hashes, result, time.perf_counter() - start)
+
+    def _resolve(self, state: RequestState) -> bool:
+        """Apply the lookup's answer once it is there; False while it is still out."""
+        if state.pending is None:
+            return True
+        try:
+            answer = state.pending.result(timeout=self.config.lookup_wait_ms / 1000)
+        except FutureTimeout:
+            overdue = time.monotonic() - state.started > 2 * self.config.lookup_timeout_ms / 1000
+            if not overdue:
+                self.stats.add(lookups_deferred=1)
+                return False
+            state.pending = None  # a stuck lookup thread: give up, a miss
+            self.stats.add(lookup_failures=1)
+            return True
+        state.pending = None
+        self._apply(state, answer)
+        return True
+
+    def _apply(self, state: RequestState, answer: LookupAnswer) -> None:
+        state.hashes = answer.hashes
+        chunk = self.config.chunk_size
+        self.stats.time("lookup_seconds", answer.seconds)
+        self.stats.add(lookups=1, lookup_query_tokens=len(answer.hashes[0]) * chunk)
+        if answer.result is None:
+            self.stats.add(lookup_failures=1)
+            return
+        state.num_hit_chunks = answer.result.num_hit_chunks
+        state.tiers = list(answer.result.tiers)
+        state.num_saved_chunks = state.num_hit_chunks
+        self.stats.add(lookup_hit_tokens=state.num_hit_chunks * chunk)
+
+    def _use_async(self, num_tokens: int) -> bool:
+        mode = self.config.load_mode
+        if mode == "auto":
+            return num_tokens >= self.config.async_load_min_tokens and self._num_running > 0
+        return mode == "async"
+
+    def hit_tiers(self, request_id: str, num_external_tokens: int) -> dict[str, int]:
+        """Tokens of the external hit per server tier (for vLLM's by-source counters)."""
+        state = self._requests.get(request_id)
+        if state is None or num_external_tokens <= 0:
+            return {}
+        chunk = self.config.chunk_size
+        end = state.load_start + num_external_tokens
+        counts: dict[str, int] = {}
+        for i in range(state.load_start // chunk, -(-end // chunk)):
+            tier = state.tiers[i] if i < len(state.tiers) else ""
+            lo, hi = max(i * chunk, state.load_start), min((i + 1) * chunk, end)
+            counts[tier] = counts.get(tier, 0) + hi - lo
+        return counts
+
+    # -- plans ---------------------------------------------------------------------------
+
+    def update_state_after_alloc(
+        self, request: Any, block_ids: Sequence[int], num_external_tokens: int
+    ) -> None:
+        state = self._requests.get(request.request_id)
+        if state is None or num_external_tokens <= 0:
+            return
+        start, end = state.load_start, state.load_start + num_external_tokens
+        chunk, bs = self.config.chunk_size, self.block_size
+        first_chunk, last_chunk = start // chunk, -(-end // chunk)
+        plan = LoadPlan(
+            req_id=request.request_id,
+            chunk_hashes=tuple(h[first_chunk:last_chunk] for h in state.hashes),
+            first_block=(start % chunk) // bs,
+            block_ids=tuple(block_ids[start // bs : end // bs]),
+            is_async=state.load_async,
+        )
+        state.loaded_block_ids = plan.block_ids
+        state.loaded_first_chunk, state.loaded_first_block = first_chunk, plan.first_block
+        self._loads.append(plan)
+
+    def build_step_plan(self, scheduler_output: Any) -> StepPlan:
+        plan = StepPlan(loads=self._loads)
+        self._loads = []
+        self._num_running = len(scheduler_output.num_scheduled_tokens)
+        for req_id, num_computed in _scheduled_requests(scheduler_output):
+            after = num_computed + scheduler_output.num_scheduled_tokens[req_id]
+            save = self._save_plan(req_id, after, scheduler_output)
+            if save is not None:
+                plan.saves.append(save)
+        return plan
+
+    def _save_plan(
+        self, req_id: str, num_tokens_after: int, scheduler_output: Any
+    ) -> SavePlan | None:
+        state = self._requests.get(req_id)
+        if state is None or not self.save_enabled:
+            return None
+        num_full = min(num_tokens_after, state.num_prompt_tokens) // self.config.chunk_size
+        num_full = min(num_full, len(state.hashes[0]))  # no hashes if the lookup was lost
+        start = state.num_saved_chunks
+        if num_full <= start:
+            return None
+        block_ids = _block_ids(scheduler_output, req_id)
+        bpc = self.blocks_per_chunk
+        if block_ids is None or len(block_ids) < num_full * bpc:
+            return None
+        state.num_saved_chunks = num_full
+        return SavePlan(
+            req_id=req_id,
+            chunk_hashes=tuple(h[start:num_full] for h in state.hashes),
+            block_ids=tuple(block_ids[start * bpc : num_full * bpc]),
+        )
+
+    # -- feedback and clean-up -----------------------------------------------------------
+
+    def on_invalid_blocks(self, invalid_block_ids: set[int]) -> None:
+        """Loads that failed: those chunks are not in the server after all; save them."""
+        bpc = self.blocks_per_chunk
+        for state in self._requests.values():
+            for i, block_id in enumerate(state.loaded_block_ids):
+                if block_id in invalid_block_ids:
+                    failed_chunk = state.loaded_first_chunk + (state.loaded_first_block + i) // bpc
+                    state.num_saved_chunks = min(state.num_saved_chunks, failed_chunk)
+                    state.num_hit_chunks = min(state.num_hit_chunks, failed_chunk)
+                    break
+
+    def request_finished(self, request_id: str) -> None:
+        self._requests.pop(request_id, None)
+
+    def shutdown(self) -> None:
+        self._lookups.shutdown(wait=False, cancel_futures=True)
+        self.link.close()
+
+
+def _cacheable_prompt(request: Any) -> list[int] | None:
+    """The prompt's token ids, or None when tokens alone do not determine its KV."""
+    if request.prompt_token_ids is None or getattr(request, "prompt_embeds", None) is not None:
+        return None
+    if request.mm_features or request.lora_request is not None or request.cache_salt:
+        return None
+    return list(request.prompt_token_ids)
+
+
+def _scheduled_requests(scheduler_output: Any) -> list[tuple[str, int]]:
+    """(request id, tokens computed before this step) for every scheduled request."""
+    scheduled = [(r.req_id, r.num_computed_tokens) for r in scheduler_output.scheduled_new_reqs]
+    cached = scheduler_output.scheduled_cached_reqs
+    scheduled += list(zip(cached.req_ids, cached.num_computed_tokens))
+    return scheduled
+
+
+def _block_ids(scheduler_output: Any, req_id: str) -> list[int] | None:
+    block_state = scheduler_output.kv_connector_block_state
+    if block_state is None:
+        return None
+    ids = block_state.get_block_ids(req_id)
+    return None if ids is None else list(ids[0])

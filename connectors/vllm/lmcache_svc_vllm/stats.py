@@ -1,0 +1,91 @@
+"""What the plugin counts, as plain data that travels with vLLM's connector stats.
+
+Each connector half records into a ``StatsRecorder``; vLLM collects ``take()`` every step
+(``get_kv_connector_stats``), merges the halves and workers (``merge``), logs ``summarize``
+and exports the counters to Prometheus (``prom.py``). Only ints, floats and lists of
+floats, so the payload serializes across vLLM's processes.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+COUNTERS = (
+    "lookups",  # scheduler lookups sent to the server
+    "lookup_failures",  # lookups the server did not answer in time (counted as misses)
+    "lookups_deferred",  # scheduler steps that moved on while a lookup was still out
+    "lookup_query_tokens",  # prompt tokens looked up
+    "lookup_hit_tokens",  # tokens the server held (chunk-aligned, before the cap)
+    "load_chunks",  # chunks copied into KV blocks
+    "load_bytes",
+    "load_failed_blocks",  # blocks reported to vLLM for recomputation
+    "save_chunks",  # chunks copied out of KV blocks and committed
+    "save_bytes",
+    "save_skipped_chunks",  # already stored, no room, or the server was unavailable
+)
+TIMINGS = ("lookup_seconds", "load_seconds", "save_seconds")
+
+
+class StatsRecorder:
+    """Thread-safe accumulation between two ``take`` calls."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._data = empty()
+
+    def add(self, **counts: int) -> None:
+        with self._lock:
+            for name, value in counts.items():
+                self._data[name] += value
+
+    def time(self, name: str, seconds: float) -> None:
+        with self._lock:
+            self._data[name].append(seconds)
+
+    def take(self) -> dict[str, Any] | None:
+        """The data since the last take, or None if nothing happened."""
+        with self._lock:
+            data, self._data = self._data, empty()
+        return None if is_empty(data) else data
+
+
+def empty() -> dict[str, Any]:
+    data: dict[str, Any] = {name: 0 for name in COUNTERS}
+    data.update({name: [] for name in TIMINGS})
+    return data
+
+
+def is_empty(data: dict[str, Any]) -> bool:
+    return not any(data.get(n) for n in COUNTERS) and not any(data.get(n) for n in TIMINGS)
+
+
+def merge(into: dict[str, Any], other: dict[str, Any]) -> dict[str, Any]:
+    for name in COUNTERS:
+        into[name] = into.get(name, 0) + other.get(name, 0)
+    for name in TIMINGS:
+        into[name] = list(into.get(name, [])) + list(other.get(name, []))
+    return into
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Nearest-rank percentile (``q`` in [0, 1]); 0.0 for no values."""
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    rank = min(len(ordered) - 1, max(0, int(round(q * len(ordered) + 0.5)) - 1))
+    return ordered[rank]
+
+
+def summarize(data: dict[str, Any]) -> dict[str, int | float]:
+    """One log line's worth: counts, lookup latency percentiles and copy throughput."""
+    out: dict[str, int | float] = {n: data.get(n, 0) for n in COUNTERS if data.get(n)}
+    lookups = data.get("lookup_seconds", [])
+    if lookups:
+        out["lookup_p50_ms"] = round(percentile(lookups, 0.5) * 1e3, 3)
+        out["lookup_p99_ms"] = round(percentile(lookups, 0.99) * 1e3, 3)
+    for op in ("load", "save"):
+        seconds = sum(data.get(f"{op}_seconds", []))
+        if seconds > 0 and data.get(f"{op}_bytes"):
+            out[f"{op}_gbps"] = round(data[f"{op}_bytes"] / seconds / 1e9, 3)
+    return out

@@ -1,0 +1,24 @@
+"""Fixtures for the vLLM plugin's tests.
+
+Unit tests import the plugin's vLLM-free modules straight from ``connectors/vllm`` (the
+test venv has torch but not vLLM). End-to-end tests (marked ``vllm``) run real engines
+with ``.venv-vllm``'s interpreter and skip, saying why, when that venv is missing.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.vllm.harness import VLLM_PYTHON
+
+PLUGIN_DIR = Path(__file__).resolve().parents[2] / "connectors" / "vllm"
+if str(PLUGIN_DIR) not in sys.path:
+    sys.path.insert(0, str(PLUGIN_DIR))
+
+
+def require_vllm_venv() -> None:
+    if not VLLM_PYTHON.exists():
+        pytest.skip(f"{VLLM_PYTHON} is missing: run scripts/setup_vllm.sh first (CI does)")

@@ -1,0 +1,139 @@
+"""Run one vLLM engine in this process and drive it with JSON lines (run with .venv-vllm).
+
+    python engine_runner.py --model DIR [--kv-config JSON] [--block-size 128] ...
+
+Commands, one JSON object per line on stdin; one JSON answer per line on the original
+stdout (everything vLLM prints goes to stderr):
+
+    {"op": "generate", "prompts": [[ids...], ...], "max_tokens": 8}
+        -> {"ok": true, "outputs": [{"token_ids": [...], "num_cached_tokens": n}], "elapsed_s": t}
+    {"op": "metrics"}             -> {"ok": true, "metrics": {"name{label=value}": number}}
+    {"op": "reset_prefix_cache"}  -> {"ok": true}   (empties vLLM's own prefix cache)
+    {"op": "log_stats"}           -> {"ok": true}   (vLLM logs its stats now, incl. the
+                                                      plugin's "KV Transfer metrics" line)
+    {"op": "exit"}
+
+The first line written is {"ok": true, "event": "ready", "startup_s": ...}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from typing import Any, TextIO
+
+
+def _claim_stdout() -> TextIO:
+    """Keep the real stdout for answers; send fd 1 (ours and children's) to stderr."""
+    answers = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    return answers
+
+
+def _parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", required=True)
+    p.add_argument("--kv-config", default=None, help="kv_transfer_config as JSON")
+    p.add_argument("--block-size", type=int, default=128)
+    p.add_argument("--max-model-len", type=int, default=8192)
+    p.add_argument("--seed", type=int, default=0)
+    return p.parse_args()
+
+
+def _make_llm(args: argparse.Namespace) -> Any:
+    from vllm import LLM
+
+    kwargs: dict[str, Any] = {}
+    if args.kv_config:
+        kwargs["kv_transfer_config"] = json.loads(args.kv_config)
+    return LLM(
+        model=args.model,
+        skip_tokenizer_init=True,
+        enforce_eager=True,
+        dtype="bfloat16",
+        block_size=args.block_size,
+        max_model_len=args.max_model_len,
+        seed=args.seed,
+        disable_log_stats=False,
+        **kwargs,
+    )
+
+
+def _generate(llm: Any, cmd: dict[str, Any]) -> dict[str, Any]:
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    params = SamplingParams(temperature=0.0, max_tokens=int(cmd["max_tokens"]), ignore_eos=True)
+    prompts = [TokensPrompt(prompt_token_ids=list(p)) for p in cmd["prompts"]]
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    return {
+        "outputs": [
+            {"token_ids": list(o.outputs[0].token_ids), "num_cached_tokens": o.num_cached_tokens}
+            for o in outputs
+        ],
+        "elapsed_s": elapsed,
+    }
+
+
+def _metrics(llm: Any) -> dict[str, Any]:
+    from vllm.v1.metrics.reader import Counter, Histogram
+
+    out: dict[str, float] = {}
+    for m in llm.get_metrics():
+        labels = ",".join(
+            f"{k}={v}" for k, v in sorted(m.labels.items()) if k not in ("engine", "model_name")
+        )
+        key = f"{m.name}{{{labels}}}" if labels else m.name
+        if isinstance(m, Counter):
+            out[key] = out.get(key, 0) + m.value
+        elif isinstance(m, Histogram):
+            out[key + ":count"] = out.get(key + ":count", 0) + m.count
+            out[key + ":sum"] = out.get(key + ":sum", 0.0) + m.sum
+    return {"metrics": out}
+
+
+def _serve(llm: Any, answers: TextIO) -> None:
+    for line in sys.stdin:
+        if not line.strip():
+            continue
+        cmd = json.loads(line)
+        op = cmd.get("op")
+        if op == "exit":
+            return
+        try:
+            if op == "generate":
+                result = _generate(llm, cmd)
+            elif op == "metrics":
+                result = _metrics(llm)
+            elif op == "reset_prefix_cache":
+                result = {"reset": bool(llm.reset_prefix_cache())}
+            elif op == "log_stats":
+                llm.llm_engine.do_log_stats()
+                result = {}
+            else:
+                raise ValueError(f"unknown op {op!r}")
+            answers.write(json.dumps({"ok": True, **result}) + "\n")
+        except Exception as e:  # report to the driver, keep serving
+            answers.write(json.dumps({"ok": False, "error": f"{type(e).__name__}: {e}"}) + "\n")
+
+
+def main() -> None:
+    answers = _claim_stdout()
+    args = _parse_args()
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    start = time.perf_counter()
+    llm = _make_llm(args)
+    answers.write(
+        json.dumps({"ok": True, "event": "ready", "startup_s": time.perf_counter() - start}) + "\n"
+    )
+    _serve(llm, answers)
+
+
+if __name__ == "__main__":
+    main()

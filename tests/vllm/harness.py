@@ -1,0 +1,154 @@
+"""Drive ``engine_runner.py`` processes from the test venv (JSON lines, with deadlines).
+
+Each ``EngineProc`` is one vLLM engine in its own process tree, run with the vLLM venv's
+interpreter. Every exchange has a deadline; on a timeout or an engine that died, the error
+carries the tail of the engine's log. ``close`` ends the whole process group it started.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import signal
+import subprocess
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[2]
+VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
+RUNNER = Path(__file__).with_name("engine_runner.py")
+STARTUP_TIMEOUT_S = 240.0
+REQUEST_TIMEOUT_S = 120.0
+
+
+def kv_transfer_config(
+    url: str,
+    *,
+    connector: str = "LMCacheSvcConnector",
+    module: str = "lmcache_svc_vllm",
+    **extra: Any,
+) -> dict[str, Any]:
+    return {
+        "kv_connector": connector,
+        "kv_connector_module_path": module,
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {"url": url, **extra},
+    }
+
+
+@dataclass
+class EngineProc:
+    name: str
+    proc: subprocess.Popen[str]
+    log_path: Path
+    startup_s: float = 0.0
+    _answers: queue.Queue[str | None] = field(default_factory=queue.Queue)
+
+    @classmethod
+    def start(
+        cls,
+        name: str,
+        model_dir: Path,
+        log_dir: Path,
+        *,
+        kv_config: dict[str, Any] | None = None,
+        env: dict[str, str] | None = None,
+    ) -> EngineProc:
+        args = [str(VLLM_PYTHON), str(RUNNER), "--model", str(model_dir)]
+        if kv_config is not None:
+            args += ["--kv-config", json.dumps(kv_config)]
+        run_env = {
+            **os.environ,
+            "HF_HUB_OFFLINE": "1",
+            "VLLM_CPU_KVCACHE_SPACE": "1",
+            "PYTHONPATH": str(RUNNER.parent),
+            **(env or {}),
+        }
+        log_path = log_dir / f"engine-{name}.log"
+        proc = subprocess.Popen(
+            args,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=open(log_path, "w"),  # noqa: SIM115 - the child owns it
+            text=True,
+            env=run_env,
+            start_new_session=True,
+        )
+        engine = cls(name, proc, log_path)
+        threading.Thread(target=engine._read_answers, daemon=True).start()
+        try:
+            ready = engine._next_answer(STARTUP_TIMEOUT_S)
+        except BaseException:  # a failed or interrupted start must not leave a process
+            engine.close(timeout_s=5)
+            raise
+        engine.startup_s = float(ready["startup_s"])
+        return engine
+
+    def _read_answers(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self._answers.put(line)
+        self._answers.put(None)
+
+    def _next_answer(self, timeout_s: float) -> dict[str, Any]:
+        try:
+            line = self._answers.get(timeout=timeout_s)
+        except queue.Empty:
+            raise AssertionError(
+                f"engine {self.name}: no answer in {timeout_s} s\n{self.log_tail()}"
+            ) from None
+        if line is None:
+            raise AssertionError(
+                f"engine {self.name} exited ({self.proc.poll()})\n{self.log_tail()}"
+            )
+        answer: dict[str, Any] = json.loads(line)
+        if not answer.get("ok"):
+            raise AssertionError(f"engine {self.name}: {answer.get('error')}\n{self.log_tail()}")
+        return answer
+
+    def request(self, timeout_s: float = REQUEST_TIMEOUT_S, **cmd: Any) -> dict[str, Any]:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(cmd) + "\n")
+        self.proc.stdin.flush()
+        return self._next_answer(timeout_s)
+
+    def generate(self, prompts: list[list[int]], max_tokens: int) -> list[dict[str, Any]]:
+        outputs: list[dict[str, Any]] = self.request(
+            op="generate", prompts=prompts, max_tokens=max_tokens
+        )["outputs"]
+        return outputs
+
+    def metrics(self) -> dict[str, float]:
+        metrics: dict[str, float] = self.request(op="metrics")["metrics"]
+        return metrics
+
+    def reset_prefix_cache(self) -> None:
+        assert self.request(op="reset_prefix_cache")["reset"], "vLLM refused to reset its cache"
+
+    def log_tail(self, num_chars: int = 6000) -> str:
+        return self.log_path.read_text(errors="replace")[-num_chars:]
+
+    def close(self, timeout_s: float = 60.0) -> None:
+        if self.proc.poll() is None:
+            try:
+                assert self.proc.stdin is not None
+                self.proc.stdin.write('{"op": "exit"}\n')
+                self.proc.stdin.flush()
+                self.proc.wait(timeout_s)
+            except (OSError, subprocess.TimeoutExpired):
+                pass
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+        else:  # vLLM's engine-core or worker processes could outlive a crashed runner
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def delta(after: dict[str, float], before: dict[str, float], name: str) -> float:
+    return after.get(name, 0.0) - before.get(name, 0.0)

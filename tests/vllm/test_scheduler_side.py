@@ -1,0 +1,176 @@
+"""The scheduler half's answers and plans, against a real server (no vLLM needed).
+
+Requests are plain records with the fields vLLM's ``Request`` has; the server is real, so
+lookups, timeouts and the outage back-off are measured, not simulated.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from lmcache_svc_vllm.config import ConnectorConfig
+from lmcache_svc_vllm.link import ServerLink
+from lmcache_svc_vllm.scheduler import SchedulerSide
+from lmcache_svc_vllm.stats import StatsRecorder
+
+from lmcache_svc.client import CacheClient
+from lmcache_svc.keys import KVLayout, Namespace, chunk_hashes
+from tests.server_procs import ServerProc, start_server
+
+BLOCK, CHUNK = 128, 256
+NAMESPACE = Namespace(
+    model="tiny",
+    layout=KVLayout("bfloat16", 2, 1, 32, BLOCK, "vllm-cpu/BHNC"),
+    chunk_size=CHUNK,
+)
+
+
+def request(req_id: str, token_ids: list[int], **fields: object) -> SimpleNamespace:
+    record = dict(
+        request_id=req_id,
+        prompt_token_ids=token_ids,
+        prompt_embeds=None,
+        mm_features=[],
+        lora_request=None,
+        cache_salt=None,
+    )
+    return SimpleNamespace(**{**record, **fields})
+
+
+def make_scheduler(url: str, **config: object) -> tuple[SchedulerSide, StatsRecorder]:
+    cfg = ConnectorConfig(url=url, chunk_size=CHUNK, retry_interval_s=0.2, **config)  # type: ignore[arg-type]
+    stats = StatsRecorder()
+    link = ServerLink(cfg, NAMESPACE, "test-scheduler")
+    return SchedulerSide(cfg, [NAMESPACE], BLOCK, link, stats), stats
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProc]:
+    proc = start_server(tmp_path_factory.mktemp("sched"))
+    yield proc
+    proc.cleanup()
+
+
+def store_prefix(server: ServerProc, token_ids: list[int], num_chunks: int) -> None:
+    hashes = chunk_hashes(NAMESPACE, token_ids)[:num_chunks]
+    with CacheClient(server.socket) as client:
+        ns_id = client.register_namespace(NAMESPACE)
+        data = [bytes(NAMESPACE.chunk_bytes)] * len(hashes)
+        assert client.store(ns_id, hashes, data) == len(hashes)
+
+
+def answer(
+    scheduler: SchedulerSide, req: SimpleNamespace, num_computed: int = 0
+) -> tuple[int, bool]:
+    """Ask as vLLM does: again on the next step while the answer is "not decided yet"."""
+    deadline = time.monotonic() + 5
+    while True:
+        num_tokens, is_async = scheduler.get_num_new_matched_tokens(req, num_computed)
+        if num_tokens is not None:
+            return num_tokens, is_async
+        assert time.monotonic() < deadline, "the lookup never resolved"
+        time.sleep(0.001)
+
+
+def tokens(seed: int, n: int) -> list[int]:
+    return [(seed * 7919 + i * 104729) % 50000 for i in range(n)]
+
+
+def test_hit_is_chunk_aligned_and_leaves_one_token(server: ServerProc) -> None:
+    scheduler, _ = make_scheduler(server.socket)
+    exact = tokens(1, 2 * CHUNK)  # both chunks stored, but the last token must be computed
+    store_prefix(server, exact, 2)
+    assert answer(scheduler, request("exact", exact)) == (CHUNK, False)
+    longer = tokens(2, 2 * CHUNK + 100)
+    store_prefix(server, longer, 2)
+    assert answer(scheduler, request("longer", longer)) == (2 * CHUNK, False)
+
+
+def test_load_plan_starts_after_vllms_own_hit(server: ServerProc) -> None:
+    scheduler, _ = make_scheduler(server.socket)
+    prompt = tokens(3, 2 * CHUNK + 50)
+    store_prefix(server, prompt, 2)
+    req = request("partial", prompt)
+    # vLLM already holds 3 blocks (384 tokens): only the last block of chunk 1 is loaded.
+    assert answer(scheduler, req, 3 * BLOCK) == (BLOCK, False)
+    scheduler.update_state_after_alloc(req, [10, 11, 12, 13, 14], BLOCK)
+    (plan,) = scheduler.build_step_plan(_empty_step()).loads
+    assert (plan.first_block, plan.block_ids) == (1, (13,))
+    assert plan.chunk_hashes == (tuple(chunk_hashes(NAMESPACE, prompt)[1:2]),)
+
+
+def test_requests_whose_kv_is_not_a_function_of_tokens_are_skipped(server: ServerProc) -> None:
+    scheduler, stats = make_scheduler(server.socket)
+    prompt = tokens(4, 600)
+    store_prefix(server, prompt, 2)
+    for req in (
+        request("salted", prompt, cache_salt="user-1"),
+        request("lora", prompt, lora_request=object()),
+        request("images", prompt, mm_features=[object()]),
+    ):
+        assert scheduler.get_num_new_matched_tokens(req, 0) == (0, False)
+    assert stats.take() is None  # not even looked up
+
+
+def test_unreachable_server_is_a_fast_miss(tmp_path: Path) -> None:
+    scheduler, stats = make_scheduler(str(tmp_path / "nobody.sock"))
+    start = time.monotonic()
+    for i in range(20):
+        assert answer(scheduler, request(f"r{i}", tokens(i, 600))) == (0, False)
+    assert time.monotonic() - start < 1.0
+    data = stats.take()
+    assert data is not None and data["lookup_failures"] == 20
+
+
+def test_hung_server_costs_one_timeout_then_recovers(tmp_path: Path) -> None:
+    server = start_server(tmp_path)
+    try:
+        scheduler, stats = make_scheduler(server.socket, lookup_timeout_ms=100)
+        prompt = tokens(5, 600)
+        store_prefix(server, prompt, 2)
+        os.kill(server.proc.pid, signal.SIGSTOP)
+        # The scheduler never blocks longer than lookup_wait_ms; the lookup resolves as a
+        # miss at its 100 ms deadline; then the back-off answers at once, without a call.
+        calls: list[float] = []
+        start = time.monotonic()
+        first = answer_timed(scheduler, request("h0", prompt), calls)
+        first_s = time.monotonic() - start
+        rest = [answer_timed(scheduler, request(f"h{i}", prompt), calls) for i in range(1, 10)]
+        assert [first, *rest] == [(0, False)] * 10
+        assert max(calls) < 0.02, f"one scheduler call blocked {max(calls):.3f} s"
+        assert 0.09 < first_s < 0.3, f"the first lookup resolved after {first_s:.3f} s"
+        assert time.monotonic() - start - first_s < 0.05, "lookups in the back-off waited"
+        os.kill(server.proc.pid, signal.SIGCONT)
+        deadline = time.monotonic() + 5
+        while answer(scheduler, request(f"x{time.monotonic()}", prompt))[0] == 0:
+            assert time.monotonic() < deadline, "no hit after the server resumed"
+            time.sleep(0.05)
+    finally:
+        os.kill(server.proc.pid, signal.SIGCONT)
+        server.cleanup()
+
+
+def answer_timed(
+    scheduler: SchedulerSide, req: SimpleNamespace, calls: list[float]
+) -> tuple[int, bool]:
+    while True:
+        start = time.monotonic()
+        num_tokens, is_async = scheduler.get_num_new_matched_tokens(req, 0)
+        calls.append(time.monotonic() - start)
+        if num_tokens is not None:
+            return num_tokens, is_async
+
+
+def _empty_step() -> SimpleNamespace:
+    return SimpleNamespace(
+        num_scheduled_tokens={},
+        scheduled_new_reqs=[],
+        scheduled_cached_reqs=SimpleNamespace(req_ids=[], num_computed_tokens=[]),
+        kv_connector_block_state=None,
+    )

@@ -1,0 +1,149 @@
+"""The worker half's copies against a real server, over shared memory and inline gRPC.
+
+The KV caches are CPU tensors laid out as vLLM's CPU backend lays them out ([blocks, KV
+heads, tokens, K+V] per layer); plans are the plugin's own metadata types.
+"""
+
+# ruff: noqa: E402  (imports after the torch check)
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import pytest
+
+pytest.importorskip("torch", reason="the layout code needs torch (the [torch] extra)")
+import torch
+from lmcache_svc_vllm.config import ConnectorConfig
+from lmcache_svc_vllm.link import ServerLink
+from lmcache_svc_vllm.metadata import LoadPlan, SavePlan, StepPlan
+from lmcache_svc_vllm.stats import StatsRecorder
+from lmcache_svc_vllm.worker import WorkerSide
+
+from lmcache_svc.client import CacheClient
+from lmcache_svc.keys import KVLayout, Namespace, chunk_hashes
+from tests.server_procs import ServerProc, start_server
+
+BLOCK, CHUNK, NUM_BLOCKS, LAYERS, HEADS, HEAD_SIZE = 128, 256, 16, 2, 1, 32
+NAMESPACE = Namespace(
+    model="worker-test",
+    layout=KVLayout("bfloat16", LAYERS, HEADS, HEAD_SIZE, BLOCK, "vllm-cpu/BHNC"),
+    chunk_size=CHUNK,
+)
+PROMPT = list(range(1000, 1000 + 3 * CHUNK))
+HASHES = tuple(chunk_hashes(NAMESPACE, PROMPT))
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProc]:
+    proc = start_server(tmp_path_factory.mktemp("worker"))
+    yield proc
+    proc.cleanup()
+
+
+def make_worker(url: str, use_shm: bool, seed: int) -> tuple[WorkerSide, list[torch.Tensor]]:
+    config = ConnectorConfig(url=url, chunk_size=CHUNK, use_shm=use_shm)
+    worker = WorkerSide(
+        NAMESPACE,
+        ServerLink(config, NAMESPACE, "test-worker"),
+        StatsRecorder(),
+        num_blocks=NUM_BLOCKS,
+        page_order="BHNC",
+    )
+    gen = torch.Generator().manual_seed(seed)
+    layers = [
+        torch.randn(NUM_BLOCKS, HEADS, BLOCK, 2 * HEAD_SIZE, generator=gen).to(torch.bfloat16)
+        for _ in range(LAYERS)
+    ]
+    worker.register_kv_caches({f"model.layers.{i}.attn": t for i, t in enumerate(layers)})
+    return worker, layers
+
+
+def wait_stored(server: ServerProc, num_chunks: int) -> None:
+    with CacheClient(server.socket) as client:
+        ns_id = client.register_namespace(NAMESPACE)
+        deadline = time.monotonic() + 5
+        while client.lookup(ns_id, HASHES).num_hit_chunks < num_chunks:
+            assert time.monotonic() < deadline, "the commit did not land"
+            time.sleep(0.02)
+
+
+def clear_server(server: ServerProc) -> None:
+    with CacheClient(server.socket) as client:
+        client.delete(client.register_namespace(NAMESPACE), HASHES)
+
+
+@pytest.mark.parametrize("use_shm", [True, False], ids=["shm", "inline"])
+def test_saved_chunks_load_into_other_blocks(server: ServerProc, use_shm: bool) -> None:
+    clear_server(server)
+    src, src_layers = make_worker(server.socket, use_shm, seed=1)
+    save = StepPlan(saves=[SavePlan("r1", (HASHES[:2],), (3, 4, 9, 2))])
+    src.bind(save)
+    src.wait_for_save(save)
+    wait_stored(server, 2)
+
+    dst, dst_layers = make_worker(server.socket, use_shm, seed=2)
+    # vLLM already holds the first block: load chunk 0's second block, then chunk 1.
+    load = StepPlan(loads=[LoadPlan("r2", (HASHES[:2],), 1, (7, 5, 6), is_async=False)])
+    dst.bind(load)
+    dst.start_load(load)
+    assert dst.take_load_errors() == set()
+    for s, d in zip(src_layers, dst_layers):
+        assert torch.equal(d[7], s[4]) and torch.equal(d[5], s[9]) and torch.equal(d[6], s[2])
+    src.shutdown()
+    dst.shutdown()
+
+
+def test_missing_chunks_are_reported_as_failed_blocks(server: ServerProc) -> None:
+    clear_server(server)
+    src, _ = make_worker(server.socket, True, seed=3)
+    save = StepPlan(saves=[SavePlan("r1", (HASHES[:1],), (0, 1))])
+    src.bind(save)
+    src.wait_for_save(save)
+    wait_stored(server, 1)
+    dst, _ = make_worker(server.socket, True, seed=4)
+    load = StepPlan(loads=[LoadPlan("r2", (HASHES[:3],), 0, (8, 9, 10, 11, 12, 13), False)])
+    dst.start_load(load)
+    assert dst.take_load_errors() == {10, 11, 12, 13}  # chunks 1 and 2 are not there
+    src.shutdown()
+    dst.shutdown()
+
+
+def test_async_load_reports_the_request_when_done(server: ServerProc) -> None:
+    clear_server(server)
+    src, src_layers = make_worker(server.socket, True, seed=5)
+    save = StepPlan(saves=[SavePlan("r1", (HASHES[:1],), (5, 6))])
+    src.bind(save)
+    src.wait_for_save(save)
+    wait_stored(server, 1)
+    dst, dst_layers = make_worker(server.socket, True, seed=6)
+    dst.start_load(StepPlan(loads=[LoadPlan("r2", (HASHES[:1],), 0, (1, 2), is_async=True)]))
+    deadline = time.monotonic() + 5
+    finished: set[str] = set()
+    while not finished:
+        assert time.monotonic() < deadline, "the async load never finished"
+        finished = dst.take_finished()
+        time.sleep(0.005)
+    assert finished == {"r2"} and dst.take_load_errors() == set()
+    assert all(torch.equal(d[1:3], s[5:7]) for s, d in zip(src_layers, dst_layers))
+    src.shutdown()
+    dst.shutdown()
+
+
+def test_a_dead_server_fails_loads_and_skips_saves(tmp_path: object) -> None:
+    worker, layers = make_worker("/nonexistent/lmcache.sock", True, seed=7)
+    before = [t.clone() for t in layers]
+    plan = StepPlan(
+        loads=[LoadPlan("r1", (HASHES[:1],), 0, (1, 2), False)],
+        saves=[SavePlan("r2", (HASHES[1:2],), (3, 4))],
+    )
+    start = time.monotonic()
+    worker.bind(plan)
+    worker.start_load(plan)
+    worker.wait_for_save(plan)
+    assert time.monotonic() - start < 1.0
+    assert worker.take_load_errors() == {1, 2}
+    assert all(torch.equal(a, b) for a, b in zip(layers, before))
+    data = worker.stats.take()
+    assert data is not None and data["save_skipped_chunks"] == 1 and data["save_chunks"] == 0
+    worker.shutdown()
