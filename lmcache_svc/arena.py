@@ -29,12 +29,14 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import fcntl
 import logging
 import mmap
 import os
 import re
 import secrets
 import threading
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Literal
 
@@ -299,7 +301,7 @@ def _create_segment(name: str, size: int, mode: int) -> tuple[mmap.mmap, int]:
             raise ConfigError(
                 f"{SHM_DIR} has {st.f_bavail * st.f_frsize} bytes free, {path} needs {size}"
             )
-        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, mode)
+        fd = _open_new(path, mode)
     except FileExistsError:
         raise ConfigError(
             f"shared-memory segment {path} already exists (another server's, "
@@ -317,6 +319,64 @@ def _create_segment(name: str, size: int, mode: int) -> tuple[mmap.mmap, int]:
         raise ConfigError(f"cannot size or map shared-memory segment {path}: {e}") from e
     mm[: len(MAGIC) + NONCE_BYTES] = MAGIC + secrets.token_bytes(NONCE_BYTES)
     return mm, fd
+
+
+def _open_new(path: str, mode: int) -> int:
+    """Create the segment file and lock it for the server's lifetime; an existing file
+    that no live server holds (its server was killed) is removed first."""
+    try:
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, mode)
+    except FileExistsError:
+        if not _remove_if_orphan(path):
+            raise
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, mode)
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    return fd
+
+
+def _remove_if_orphan(path: str) -> bool:
+    """Unlink a segment whose server is gone: nobody holds its lock. True if removed."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        return False  # a live server holds it
+    else:
+        os.unlink(path)
+        log.warning("removed %s, left by a server that was killed", path)
+        return True
+    finally:
+        os.close(fd)
+
+
+def remove_orphan_segments(prefix: str = "lmcache-svc-", min_age_s: float = 10.0) -> list[str]:
+    """Remove this user's segments named ``prefix*`` whose server is gone (not locked).
+
+    A server holds an exclusive ``flock`` on its segment for its lifetime, so the lock is
+    free exactly when the server died without cleaning up (SIGKILL, OOM). The check works
+    across PID namespaces (containers sharing /dev/shm). Segments younger than
+    ``min_age_s`` are left alone: their server may still be starting.
+    """
+    removed: list[str] = []
+    now = time.time()
+    for entry in os.scandir(SHM_DIR):
+        try:
+            st = entry.stat(follow_symlinks=False)
+        except OSError:
+            continue
+        if (
+            not entry.name.startswith(prefix)
+            or not entry.is_file(follow_symlinks=False)
+            or st.st_uid != os.getuid()
+            or now - st.st_ctime < min_age_s
+        ):
+            continue
+        if _remove_if_orphan(entry.path):
+            removed.append(entry.name)
+    return removed
 
 
 def _unlink_quietly(name: str) -> None:

@@ -282,3 +282,31 @@ def test_mapping_views_are_bounds_checked(make_arena: MakeArena) -> None:
     assert slot is not None and arena.view(slot)[-1] == 7
     mapping.close()
     mapping.close()
+
+
+def test_segments_of_killed_servers_are_removed_live_ones_kept() -> None:
+    import signal
+
+    from lmcache_svc.arena import remove_orphan_segments
+
+    prefix = f"lmcache-svc-orphan-{os.getpid()}-"
+    code = (
+        "import os, signal; from lmcache_svc.arena import Arena;"
+        f"a = Arena.create(1 << 20, slab_bytes=1 << 16, name={prefix + 'dead'!r}, "
+        "prefault='off'); os.kill(os.getpid(), signal.SIGKILL)"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=60)
+    assert proc.returncode == -signal.SIGKILL
+    live = Arena.create(1 << 20, slab_bytes=1 << 16, name=prefix + "live", prefault="off")
+    try:
+        assert remove_orphan_segments(prefix, min_age_s=0) == [prefix + "dead"]
+        assert not os.path.exists(f"/dev/shm/{prefix}dead")
+        assert os.path.exists(f"/dev/shm/{prefix}live")
+        # a fixed name left by a killed server is taken over; a live one is refused
+        subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=60)
+        again = Arena.create(1 << 20, slab_bytes=1 << 16, name=prefix + "dead", prefault="off")
+        again.close()
+        with pytest.raises(ConfigError, match="already exists"):
+            Arena.create(1 << 20, slab_bytes=1 << 16, name=prefix + "live", prefault="off")
+    finally:
+        live.close()

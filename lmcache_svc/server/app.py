@@ -17,7 +17,7 @@ from typing import Any
 
 import uvicorn
 
-from lmcache_svc.arena import Arena
+from lmcache_svc.arena import Arena, remove_orphan_segments
 from lmcache_svc.cache import TieredCache
 from lmcache_svc.config import Config
 from lmcache_svc.errors import ConfigError
@@ -118,17 +118,6 @@ def _prepare_socket_path(path: Path, mode: int) -> None:
     raise ConfigError(f"another server is already listening on {path}")
 
 
-def _remove_stale_segment(config: Config) -> None:
-    """A fixed-name segment left by a killed server (no one answers on its socket) goes."""
-    name = config.cpu.shm_name
-    if name is None or config.socket is None:
-        return
-    path = Path("/dev/shm", name)
-    if path.exists():
-        log.warning("removing %s, left by a server that is gone", path)
-        path.unlink(missing_ok=True)
-
-
 class Service:
     def __init__(self, config: Config) -> None:
         self.config = config
@@ -141,7 +130,8 @@ class Service:
         cfg = self.config
         if cfg.socket is not None:
             _prepare_socket_path(cfg.socket, cfg.socket_mode)
-            _remove_stale_segment(cfg)
+        for name in remove_orphan_segments():
+            log.warning("removed shared-memory segment %s: its server was killed", name)
         cache = build_cache(cfg)
         cache.start()
         grpc_server, servicer, health = build_grpc_server(
