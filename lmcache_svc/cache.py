@@ -42,7 +42,7 @@ from lmcache_svc.metrics import Metrics
 from lmcache_svc.policy import (
     CacheSettings,
     CacheStats,
-    LoadLease,
+    LeasedSlots,
     LookupResult,
     PreparedStore,
     StoreStatus,
@@ -338,7 +338,7 @@ class TieredCache:
         *,
         session_id: str | None = None,
         ttl_s: float | None = None,
-    ) -> LoadLease:
+    ) -> LeasedSlots:
         """Pin the longest available prefix in the first tier, promoting from lower tiers."""
         keys = self._keys(namespace_id, chunk_hashes)
         nbytes = self.namespace(namespace_id).chunk_bytes
@@ -358,7 +358,7 @@ class TieredCache:
             pinned += promoted
             sources += promoted_from
         if not pinned:
-            return LoadLease(None)
+            return LeasedSlots(None)
         deadline = time.monotonic() + self._ttl(ttl_s, self.settings.lease_ttl_s)
         lease_id = secrets.token_hex(12)
         with self._lock:
@@ -367,7 +367,7 @@ class TieredCache:
             self.metrics.active_leases.set(len(self._leases))
         for slot, name in zip(slots, sources):
             self.metrics.bytes_read.labels(tier=name).inc(slot.length)
-        return LoadLease(lease_id, slots, sources)
+        return LeasedSlots(lease_id, slots, sources)
 
     def _promote(self, keys: list[ChunkKey], nbytes: int) -> tuple[list[ChunkKey], list[str]]:
         """Copy a contiguous run of chunks up from lower tiers; returns the pinned prefix."""

@@ -48,7 +48,7 @@ class LookupResult:
 
 
 @dataclass(frozen=True, slots=True)
-class LoadLease:
+class LeasedSlots:
     """Chunks pinned in the first tier for reading; ``lease_id`` is None when none were."""
 
     lease_id: str | None
