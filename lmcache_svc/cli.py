@@ -1,4 +1,5 @@
-"""The ``lmcache-svc`` command: ``serve`` runs the server, ``stats`` asks a running one."""
+"""The ``lmcache-svc`` command: ``serve`` runs the server, ``stats`` asks a running one,
+``bench`` runs the benchmarks."""
 
 from __future__ import annotations
 
@@ -48,7 +49,31 @@ def _parser() -> argparse.ArgumentParser:
     )
     stats.add_argument("--json", action="store_true", help="print JSON")
     stats.add_argument("--timeout", type=float, default=5.0)
+    _add_bench(sub)
     return parser
+
+
+def _add_bench(sub: Any) -> None:
+    from lmcache_svc.bench import BENCHMARKS
+
+    names = "\n".join(f"  {name:<10} {text}" for name, (_, text) in BENCHMARKS.items())
+    bench = sub.add_parser(
+        "bench",
+        help="run benchmarks (figures next to same-run baselines)",
+        description=f"benchmarks:\n{names}\n  all        every one of them, in this order",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    bench.add_argument("names", nargs="+", metavar="NAME", choices=[*BENCHMARKS, "all"])
+    bench.add_argument("--quick", action="store_true", help="about two minutes each (smoke)")
+    bench.add_argument("--out", default="bench-results", help="directory for JSON, markdown, PNG")
+    bench.add_argument("--keep-work", action="store_true", help="keep the scratch directory")
+    bench.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override one of a benchmark's parameters (see docs/benchmarks.md)",
+    )
 
 
 def _overrides(args: argparse.Namespace) -> dict[str, Any]:
@@ -97,6 +122,36 @@ def _stats(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from lmcache_svc.bench import BENCHMARKS
+    from lmcache_svc.bench.runner import run_benchmark
+
+    options: dict[str, str] = {}
+    for item in args.set:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            print(f"lmcache-svc bench: --set wants KEY=VALUE, got {item!r}", file=sys.stderr)
+            return 2
+        options[key] = value
+    names = list(BENCHMARKS) if "all" in args.names else args.names
+    missed = 0
+    for name in names:
+        report = run_benchmark(
+            name,
+            quick=args.quick,
+            out_dir=Path(args.out),
+            keep_work=args.keep_work,
+            options=options,
+        )
+        print(report.to_markdown(), flush=True)
+        missed += sum(not t.met for t in report.targets)
+    if missed:
+        print(f"{missed} target(s) missed: see the reports in {args.out}", file=sys.stderr)
+    return 0
+
+
 def _size(n: int) -> str:
     value = float(n)
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
@@ -109,7 +164,8 @@ def _size(n: int) -> str:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
-        return _serve(args) if args.command == "serve" else _stats(args)
+        commands = {"serve": _serve, "stats": _stats, "bench": _bench}
+        return commands[args.command](args)
     except ConfigError as e:
         print(f"lmcache-svc: {e}", file=sys.stderr)
         return 2

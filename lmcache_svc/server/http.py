@@ -170,15 +170,25 @@ def _route(method: str, path: str, **options: Any) -> Callable[[_Endpoint], _End
     return record
 
 
-@_route("POST", "/v1/namespaces", summary="Register a namespace", tags=["namespaces"],
-        responses=error_responses(400))
+@_route(
+    "POST",
+    "/v1/namespaces",
+    summary="Register a namespace",
+    tags=["namespaces"],
+    responses=error_responses(400),
+)
 def register_namespace(state: State, body: NamespaceModel) -> RegisterResponse:
     ns = state.cache.register_namespace(body.to_namespace())
     return RegisterResponse(namespace_id=ns.namespace_id.hex(), chunk_bytes=ns.chunk_bytes)
 
 
-@_route("POST", "/v1/keys", summary="Chained chunk hashes of token ids", tags=["namespaces"],
-        responses=error_responses(400, 404, 413))
+@_route(
+    "POST",
+    "/v1/keys",
+    summary="Chained chunk hashes of token ids",
+    tags=["namespaces"],
+    responses=error_responses(400, 404, 413),
+)
 def compute_keys(state: State, body: KeysRequest) -> KeysResponse:
     if (body.namespace is None) == (body.namespace_id is None):
         raise InvalidArgument("give exactly one of 'namespace' and 'namespace_id'")
@@ -190,35 +200,62 @@ def compute_keys(state: State, body: KeysRequest) -> KeysResponse:
     if len(body.token_ids) > max_tokens:
         raise PayloadTooLarge(f"{len(body.token_ids)} token ids; the limit is {max_tokens}")
     hashes = chunk_hashes(ns, body.token_ids, include_partial=body.include_partial)
-    return KeysResponse(namespace_id=ns.namespace_id.hex(), chunk_size=ns.chunk_size,
-                        chunk_hashes=[h.hex() for h in hashes])
+    return KeysResponse(
+        namespace_id=ns.namespace_id.hex(),
+        chunk_size=ns.chunk_size,
+        chunk_hashes=[h.hex() for h in hashes],
+    )
 
 
-@_route("PUT", _CHUNK_PATH, summary="Store one chunk", tags=["chunks"], status_code=201,
-        response_model=StoreResponse,
-        responses={200: {"model": StoreResponse, "description": "Already stored"},
-                   **error_responses(400, 404, 409, 413, 507)},
-        openapi_extra={"requestBody": {"required": True, "content": _BINARY}})
+@_route(
+    "PUT",
+    _CHUNK_PATH,
+    summary="Store one chunk",
+    tags=["chunks"],
+    status_code=201,
+    response_model=StoreResponse,
+    responses={
+        200: {"model": StoreResponse, "description": "Already stored"},
+        **error_responses(400, 404, 409, 413, 507),
+    },
+    openapi_extra={"requestBody": {"required": True, "content": _BINARY}},
+)
 def put_chunk(
-    request: Request, state: State, target: Target,
+    request: Request,
+    state: State,
+    target: Target,
     body: Annotated[bytearray, Depends(_chunk_body)],
 ) -> Response:
     ns_id = target.namespace.namespace_id
     status = state.cache.put(ns_id, target.chunk_hash, body)
     if status == "no_space":
-        raise NoSpace(f"no room for a {len(body)}-byte chunk: the first tier is full of "
-                      "pinned or reserved chunks")
+        raise NoSpace(
+            f"no room for a {len(body)}-byte chunk: the first tier is full of "
+            "pinned or reserved chunks"
+        )
     if status == "in_progress":
         message = f"chunk {target.chunk_hash.hex()} is being stored by another client"
         return error_response(request.scope, 409, "in_progress", message)
     stored = status == "reserved"
-    return JSONResponse({"status": "stored" if stored else "already_stored"},
-                        status_code=201 if stored else 200)
+    return JSONResponse(
+        {"status": "stored" if stored else "already_stored"}, status_code=201 if stored else 200
+    )
 
 
-@_route("GET", _CHUNK_PATH, summary="Read one chunk", tags=["chunks"], response_class=Response,
-        responses={200: {"content": _BINARY, "description": f"Chunk bytes; {TIER_HEADER}: "
-                         "the tier it came from"}, **error_responses(400, 404)})
+@_route(
+    "GET",
+    _CHUNK_PATH,
+    summary="Read one chunk",
+    tags=["chunks"],
+    response_class=Response,
+    responses={
+        200: {
+            "content": _BINARY,
+            "description": f"Chunk bytes; {TIER_HEADER}: the tier it came from",
+        },
+        **error_responses(400, 404),
+    },
+)
 def get_chunk(state: State, target: Target) -> Response:
     found = state.cache.get(target.namespace.namespace_id, target.chunk_hash)
     if found is None:
@@ -227,8 +264,14 @@ def get_chunk(state: State, target: Target) -> Response:
     return Response(data, media_type=OCTET_STREAM, headers={TIER_HEADER: tier})
 
 
-@_route("HEAD", _CHUNK_PATH, summary="Whether a chunk is stored, its size and tier",
-        tags=["chunks"], response_class=Response, responses=error_responses(400, 404))
+@_route(
+    "HEAD",
+    _CHUNK_PATH,
+    summary="Whether a chunk is stored, its size and tier",
+    tags=["chunks"],
+    response_class=Response,
+    responses=error_responses(400, 404),
+)
 def head_chunk(state: State, target: Target) -> Response:
     tier = state.cache.contains(target.namespace.namespace_id, target.chunk_hash)
     if tier is None:
@@ -237,16 +280,28 @@ def head_chunk(state: State, target: Target) -> Response:
     return Response(media_type=OCTET_STREAM, headers={"Content-Length": size, TIER_HEADER: tier})
 
 
-@_route("DELETE", _CHUNK_PATH, summary="Delete one chunk from every tier", tags=["chunks"],
-        status_code=204, response_class=Response, responses=error_responses(400, 404))
+@_route(
+    "DELETE",
+    _CHUNK_PATH,
+    summary="Delete one chunk from every tier",
+    tags=["chunks"],
+    status_code=204,
+    response_class=Response,
+    responses=error_responses(400, 404),
+)
 def delete_chunk(state: State, target: Target) -> Response:
     if not state.cache.delete(target.namespace.namespace_id, [target.chunk_hash]):
         raise target.missing()
     return Response(status_code=204)
 
 
-@_route("POST", "/v1/lookup", summary="Longest stored prefix of a chunk sequence",
-        tags=["chunks"], responses=error_responses(400, 404, 413))
+@_route(
+    "POST",
+    "/v1/lookup",
+    summary="Longest stored prefix of a chunk sequence",
+    tags=["chunks"],
+    responses=error_responses(400, 404, 413),
+)
 def lookup(state: State, body: LookupRequest) -> LookupResponse:
     ns_id = parse_namespace_id(body.namespace_id)
     hashes = [_parse_listed_hash(i, h) for i, h in enumerate(body.chunk_hashes)]
@@ -265,16 +320,29 @@ def _parse_listed_hash(index: int, value: str) -> ChunkHash:
 def stats(state: State) -> StatsResponse:
     s = state.cache.stats()
     return StatsResponse(
-        tiers=[TierStatsModel(name=t.name, capacity_bytes=t.capacity_bytes,
-                              used_bytes=t.used_bytes, num_chunks=t.num_chunks) for t in s.tiers],
-        active_leases=s.active_leases, pending_stores=s.pending_stores,
+        tiers=[
+            TierStatsModel(
+                name=t.name,
+                capacity_bytes=t.capacity_bytes,
+                used_bytes=t.used_bytes,
+                num_chunks=t.num_chunks,
+            )
+            for t in s.tiers
+        ],
+        active_leases=s.active_leases,
+        pending_stores=s.pending_stores,
         num_namespaces=s.num_namespaces,
     )
 
 
-@_route("GET", "/metrics", summary="Prometheus metrics", tags=["operations"],
-        response_class=Response,
-        responses={200: {"content": {CONTENT_TYPE_LATEST: {"schema": {"type": "string"}}}}})
+@_route(
+    "GET",
+    "/metrics",
+    summary="Prometheus metrics",
+    tags=["operations"],
+    response_class=Response,
+    responses={200: {"content": {CONTENT_TYPE_LATEST: {"schema": {"type": "string"}}}}},
+)
 def metrics(state: State) -> Response:
     return Response(state.cache.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 
@@ -284,9 +352,13 @@ async def healthz() -> StatusResponse:
     return StatusResponse(status="ok")
 
 
-@_route("GET", "/readyz", summary="Readiness: 200 when ready to serve traffic, else 503",
-        tags=["health"],
-        responses={200: {"model": StatusResponse}, 503: {"model": ErrorResponse}})
+@_route(
+    "GET",
+    "/readyz",
+    summary="Readiness: 200 when ready to serve traffic, else 503",
+    tags=["health"],
+    responses={200: {"model": StatusResponse}, 503: {"model": ErrorResponse}},
+)
 async def readyz(request: Request, state: State) -> Response:
     if not state.ready():
         return error_response(request.scope, 503, "not_ready", "the server is not ready yet")
@@ -306,25 +378,40 @@ def create_app(
     """The REST app over ``cache``; ``auth_token`` None turns authentication off."""
     if auth_token == "":
         raise ConfigError("auth token must be non-empty (or None to turn authentication off)")
-    if isinstance(max_body_bytes, bool) or not isinstance(max_body_bytes, int) or (
-        max_body_bytes <= 0
+    if (
+        isinstance(max_body_bytes, bool)
+        or not isinstance(max_body_bytes, int)
+        or (max_body_bytes <= 0)
     ):
         raise ConfigError(f"max_body_bytes must be a positive integer, got {max_body_bytes!r}")
-    app = FastAPI(title="lmcache-svc", version=__version__,
-                  summary="KV-cache service: namespaces, chunk keys and chunk bytes over REST",
-                  generate_unique_id_function=_operation_id)
+    app = FastAPI(
+        title="lmcache-svc",
+        version=__version__,
+        summary="KV-cache service: namespaces, chunk keys and chunk bytes over REST",
+        generate_unique_id_function=_operation_id,
+    )
     app.state.lmcache = _State(cache, max_body_bytes, ready)
     # Authentication is enforced by Edge (it also covers /docs and /openapi.json); the
     # HTTPBearer dependency only declares the scheme in the OpenAPI document.
     bearer = [Depends(HTTPBearer(auto_error=False))] if auth_token is not None else []
     for spec in _ROUTES:
-        app.add_api_route(spec.path, spec.endpoint, methods=[spec.method], **spec.options,
-                          dependencies=[] if spec.path in OPEN_PATHS else bearer)
+        app.add_api_route(
+            spec.path,
+            spec.endpoint,
+            methods=[spec.method],
+            **spec.options,
+            dependencies=[] if spec.path in OPEN_PATHS else bearer,
+        )
     app.add_exception_handler(LMCacheSvcError, on_service_error)
     app.add_exception_handler(RequestValidationError, on_validation_error)
     app.add_exception_handler(HTTPException, on_http_error)
-    app.add_middleware(Edge, router=app.router, metrics=cache.metrics, auth_token=auth_token,
-                       max_body_bytes=max_body_bytes)
+    app.add_middleware(
+        Edge,
+        router=app.router,
+        metrics=cache.metrics,
+        auth_token=auth_token,
+        max_body_bytes=max_body_bytes,
+    )
     return app
 
 

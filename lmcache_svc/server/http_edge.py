@@ -93,8 +93,10 @@ class _Exchange:
     def check_declared_length(self) -> None:
         declared = content_length(self.headers)
         if declared is not None and declared > self._max_body_bytes:
-            raise PayloadTooLarge(f"body is {declared} bytes (Content-Length); this server "
-                                  f"accepts at most {self._max_body_bytes} bytes")
+            raise PayloadTooLarge(
+                f"body is {declared} bytes (Content-Length); this server "
+                f"accepts at most {self._max_body_bytes} bytes"
+            )
 
     async def receive(self) -> Message:
         """Pass the body through until it passes the limit, then act as if the client left."""
@@ -106,7 +108,8 @@ class _Exchange:
             if self._num_received > self._max_body_bytes:
                 self.too_large = PayloadTooLarge(
                     f"body is over {self._max_body_bytes} bytes, this server's limit (stopped "
-                    f"reading at {self._num_received} bytes)")
+                    f"reading at {self._num_received} bytes)"
+                )
                 return {"type": "http.disconnect"}
         return message
 
@@ -125,8 +128,9 @@ class _Exchange:
         if isinstance(exc, LMCacheSvcError):
             response = error_response(self.scope, http_status(exc), error_kind(exc), str(exc))
         else:
-            response = error_response(self.scope, 500, INTERNAL_KIND,
-                                       "internal server error; see the server log")
+            response = error_response(
+                self.scope, 500, INTERNAL_KIND, "internal server error; see the server log"
+            )
         if isinstance(exc, Unauthenticated):
             response.headers["WWW-Authenticate"] = "Bearer"
         self.started, self.status = True, response.status_code
@@ -138,8 +142,15 @@ class Edge:
     metrics (``lmcache_svc_requests``, ``_request_latency_seconds``, ``_errors``) and the
     last-resort 500 for unexpected exceptions."""
 
-    def __init__(self, app: ASGIApp, *, router: Router, metrics: Metrics,
-                 auth_token: str | None, max_body_bytes: int) -> None:
+    def __init__(
+        self,
+        app: ASGIApp,
+        *,
+        router: Router,
+        metrics: Metrics,
+        auth_token: str | None,
+        max_body_bytes: int,
+    ) -> None:
         self.app, self.router, self.metrics = app, router, metrics
         self.auth_token, self.max_body_bytes = auth_token, max_body_bytes
 

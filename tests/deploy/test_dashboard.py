@@ -28,13 +28,13 @@ from typing import Any
 import httpx
 import pytest
 
+from lmcache_svc.bench.procs import ServerProc, start_server
 from lmcache_svc.client import CacheClient
 from lmcache_svc.keys import KVLayout, Namespace, chunk_hashes
 from tests.deploy import dashboard as dash
 from tests.deploy import stack
 from tests.deploy.manifests import REPO
 from tests.redis_procs import RedisProc, send_command
-from tests.server_procs import ServerProc, start_server
 
 METRICS_DOC = REPO / "docs" / "metrics.md"
 DEPLOY_DOC = REPO / "docs" / "deploy.md"
@@ -172,7 +172,7 @@ def live(redis_server: RedisProc, tmp_path_factory: pytest.TempPathFactory) -> I
         model_dir = workdir / "model"
         vllm = None
         if skip_reason is None:  # the slowest start first; it comes up while traffic runs
-            from tests.vllm.tiny_model import make_tiny_model
+            from lmcache_svc.bench.vllm.bench_model import make_tiny_model
 
             make_tiny_model(model_dir)
             vllm = stack.start_vllm(workdir, model_dir, server.socket)

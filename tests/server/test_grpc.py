@@ -18,11 +18,11 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from lmcache_svc import errors
+from lmcache_svc.bench.procs import ServerProc, start_server
 from lmcache_svc.client import AsyncCacheClient, CacheClient
 from lmcache_svc.keys import KVLayout, Namespace, chunk_hashes
 from lmcache_svc.v1 import cache_pb2 as pb
 from lmcache_svc.v1 import cache_pb2_grpc as pb_grpc
-from tests.server_procs import ServerProc, start_server
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -393,14 +393,17 @@ def test_a_fixed_segment_name_survives_a_hard_kill(tmp_path: Path) -> None:
     first.proc.kill()  # no clean-up: the segment and the socket file stay
     first.proc.wait()
     assert Path("/dev/shm", name).exists()
-    second = start_server(tmp_path, *args, socket_path=sock,
-                          env={"LMCACHE_SVC_SOCKET_MODE": "0o660"})
+    second = start_server(
+        tmp_path, *args, socket_path=sock, env={"LMCACHE_SVC_SOCKET_MODE": "0o660"}
+    )
     try:
         assert oct(os.stat(sock).st_mode & 0o777) == "0o660"
         with CacheClient(sock) as c:
             assert c.shm_available
-            assert c.store(c.register_namespace(NS), chunk_hashes(NS, range(256)),
-                           [make_chunk(0)]) == 1
+            assert (
+                c.store(c.register_namespace(NS), chunk_hashes(NS, range(256)), [make_chunk(0)])
+                == 1
+            )
         with pytest.raises(RuntimeError, match="already listening"):
             start_server(tmp_path, *args, socket_path=sock, timeout_s=15)
         assert Path("/dev/shm", name).exists()  # the live server's segment was left alone

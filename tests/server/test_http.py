@@ -50,8 +50,14 @@ TOKEN = "s3cret-token"
 
 
 def make_namespace(model: str = "test-model", head_size: int = 64) -> Namespace:
-    layout = KVLayout(dtype="float16", num_layers=1, num_kv_heads=1, head_size=head_size,
-                      block_size=16, page_layout="test/NHC")
+    layout = KVLayout(
+        dtype="float16",
+        num_layers=1,
+        num_kv_heads=1,
+        head_size=head_size,
+        block_size=16,
+        page_layout="test/NHC",
+    )
     return Namespace(model=model, layout=layout, chunk_size=CHUNK_SIZE)
 
 
@@ -187,13 +193,19 @@ def test_keys_agree_with_keys_module(served: Served) -> None:
     for include_partial in (False, True):
         expected = [h.hex() for h in chunk_hashes(ns, tokens, include_partial=include_partial)]
         by_id = {"namespace_id": ns_hex, "token_ids": tokens, "include_partial": include_partial}
-        inline = {"namespace": ns.to_dict(), "token_ids": tokens,
-                  "include_partial": include_partial}
+        inline = {
+            "namespace": ns.to_dict(),
+            "token_ids": tokens,
+            "include_partial": include_partial,
+        }
         for body in (by_id, inline):
             r = served.client.post("/v1/keys", json=body)
             assert r.status_code == 200, r.text
-            assert r.json() == {"namespace_id": ns_hex, "chunk_size": CHUNK_SIZE,
-                                "chunk_hashes": expected}
+            assert r.json() == {
+                "namespace_id": ns_hex,
+                "chunk_size": CHUNK_SIZE,
+                "chunk_hashes": expected,
+            }
     assert len(expected) == 4  # 3 full chunks and the partial one
 
 
@@ -226,13 +238,19 @@ def test_bad_paths(served: Served) -> None:
         assert r.status_code == 400, (method, r.text)
         r = c.request(method, f"/v1/chunks/{ns_hex}/{'zz' * 32}", content=content)
         assert r.status_code == 400, (method, r.text)
-    assert_error(c.get(f"/v1/chunks/xyz/{good_hash}"), 400, "invalid_argument", "namespace id",
-                 "32 hex")
-    assert_error(c.get(f"/v1/chunks/{ns_hex}/{'ab' * 31}"), 400, "invalid_argument",
-                 "chunk hash", "64 hex")
+    assert_error(
+        c.get(f"/v1/chunks/xyz/{good_hash}"), 400, "invalid_argument", "namespace id", "32 hex"
+    )
+    assert_error(
+        c.get(f"/v1/chunks/{ns_hex}/{'ab' * 31}"), 400, "invalid_argument", "chunk hash", "64 hex"
+    )
     unknown = make_namespace(model="unknown").namespace_id.hex()
-    assert_error(c.put(served.chunk_url(unknown, good_hash), content=make_chunk(0)), 404,
-                 "unknown_namespace", unknown)
+    assert_error(
+        c.put(served.chunk_url(unknown, good_hash), content=make_chunk(0)),
+        404,
+        "unknown_namespace",
+        unknown,
+    )
     assert_error(c.get(served.chunk_url(unknown, good_hash)), 404, "unknown_namespace")
     assert_error(c.get("/v1/nothing-here"), 404, "not_found")
     assert_error(c.post("/v1/stats"), 405, "method_not_allowed")
@@ -258,21 +276,34 @@ def test_bad_json_bodies(served: Served) -> None:
     c = served.client
     bad_dtype = ns.to_dict() | {"layout": ns.to_dict()["layout"] | {"dtype": "float13"}}
     assert_error(c.post("/v1/namespaces", json=bad_dtype), 400, "invalid_argument", "float13")
-    assert_error(c.post("/v1/namespaces", json=ns.to_dict() | {"tp_rank": 3}), 400,
-                 "invalid_argument", "tp_rank")
-    assert_error(c.post("/v1/namespaces", json=ns.to_dict() | {"key_version": 9}), 400,
-                 "invalid_argument", "key_version")
+    assert_error(
+        c.post("/v1/namespaces", json=ns.to_dict() | {"tp_rank": 3}),
+        400,
+        "invalid_argument",
+        "tp_rank",
+    )
+    assert_error(
+        c.post("/v1/namespaces", json=ns.to_dict() | {"key_version": 9}),
+        400,
+        "invalid_argument",
+        "key_version",
+    )
     no_model = {k: v for k, v in ns.to_dict().items() if k != "model"}
     assert_error(c.post("/v1/namespaces", json=no_model), 422, "invalid_request", "model")
-    assert_error(c.post("/v1/namespaces", json=ns.to_dict() | {"extra": 1}), 422,
-                 "invalid_request", "extra")
+    assert_error(
+        c.post("/v1/namespaces", json=ns.to_dict() | {"extra": 1}), 422, "invalid_request", "extra"
+    )
     r = c.post("/v1/namespaces", content=b"{not json", headers={"Content-Type": "application/json"})
     assert_error(r, 422, "invalid_request")
     both = {"namespace": ns.to_dict(), "namespace_id": ns_hex, "token_ids": [1]}
     assert_error(c.post("/v1/keys", json=both), 400, "invalid_argument", "exactly one")
     assert_error(c.post("/v1/keys", json={"token_ids": [1]}), 400, "invalid_argument")
-    assert_error(c.post("/v1/keys", json={"namespace_id": "12", "token_ids": [1]}), 400,
-                 "invalid_argument", "namespace id")
+    assert_error(
+        c.post("/v1/keys", json={"namespace_id": "12", "token_ids": [1]}),
+        400,
+        "invalid_argument",
+        "namespace id",
+    )
     r = c.post("/v1/keys", json={"namespace_id": ns_hex, "token_ids": [1, -1]})
     assert_error(r, 422, "invalid_request", "token_ids.1")
     r = c.post("/v1/keys", json={"namespace_id": ns_hex, "token_ids": [2**32]})
@@ -311,10 +342,14 @@ def test_body_over_limit_with_honest_content_length(served: Served) -> None:
 
 def test_body_over_limit_without_content_length(served: Served) -> None:
     ns_hex = served.register(make_namespace())
-    pieces = [b'{"namespace_id": "' + ns_hex.encode() + b'", "chunk_hashes": ['] + [
-        b'"' + b"00" * 32 + b'", ' for _ in range(4000)] + [b'"' + b"00" * 32 + b'"]}']
-    r = served.client.post("/v1/lookup", content=iter(pieces),
-                           headers={"Content-Type": "application/json"})
+    pieces = (
+        [b'{"namespace_id": "' + ns_hex.encode() + b'", "chunk_hashes": [']
+        + [b'"' + b"00" * 32 + b'", ' for _ in range(4000)]
+        + [b'"' + b"00" * 32 + b'"]}']
+    )
+    r = served.client.post(
+        "/v1/lookup", content=iter(pieces), headers={"Content-Type": "application/json"}
+    )
     assert_error(r, 413, "payload_too_large", "stopped reading", str(MAX_BODY_BYTES))
     assert served.client.get("/healthz").status_code == 200
 
@@ -347,8 +382,10 @@ def test_lying_content_length_cannot_push_more_than_declared(served: Served) -> 
     # The header says one chunk; the client sends one chunk and then 256 KiB more. The
     # server answers after exactly the declared bytes; the rest is not this request's body.
     with _connect(served.url) as sock:
-        sock.sendall(f"PUT {path} HTTP/1.1\r\nHost: x\r\nContent-Length: {CHUNK_BYTES}\r\n"
-                     "\r\n".encode() + data)
+        sock.sendall(
+            f"PUT {path} HTTP/1.1\r\nHost: x\r\nContent-Length: {CHUNK_BYTES}\r\n\r\n".encode()
+            + data
+        )
         assert _read_response(sock).startswith(b"HTTP/1.1 201 ")
         with contextlib.suppress(OSError):  # the server drops the connection on the garbage
             sock.sendall(b"\xff" * (256 * 1024))
@@ -364,8 +401,9 @@ def test_lying_content_length_cannot_push_more_than_declared(served: Served) -> 
     assert b"100 bytes" in reply and str(CHUNK_BYTES).encode() in reply
     # The header says more than the limit: refused before reading.
     with _connect(served.url) as sock:
-        sock.sendall(f"PUT {path2} HTTP/1.1\r\nHost: x\r\nContent-Length: {1 << 40}\r\n"
-                     "\r\n".encode())
+        sock.sendall(
+            f"PUT {path2} HTTP/1.1\r\nHost: x\r\nContent-Length: {1 << 40}\r\n\r\n".encode()
+        )
         reply = _read_response(sock)
     assert reply.startswith(b"HTTP/1.1 413 "), reply[:200]
     assert served.client.head(path2).status_code == 404
@@ -395,12 +433,14 @@ def test_conflict_while_another_client_stores(served: Served) -> None:
     h = bytes(range(32))
     (prepared,) = served.cache.prepare_store(ns.namespace_id, [h], session_id="other")
     assert prepared.status == "reserved"
-    assert_error(served.client.put(served.chunk_url(ns_hex, h), content=make_chunk(5)), 409,
-                 "in_progress")
+    assert_error(
+        served.client.put(served.chunk_url(ns_hex, h), content=make_chunk(5)), 409, "in_progress"
+    )
 
 
-def test_unexpected_exception_is_a_generic_500(served: Served,
-                                               monkeypatch: pytest.MonkeyPatch) -> None:
+def test_unexpected_exception_is_a_generic_500(
+    served: Served, monkeypatch: pytest.MonkeyPatch
+) -> None:
     def broken() -> None:
         raise RuntimeError("secret internals")
 
@@ -424,8 +464,12 @@ def test_auth(serve: Callable[..., Served]) -> None:
         r = c.get(path)
         assert_error(r, 401, "unauthenticated", "missing")
         assert r.headers["www-authenticate"] == "Bearer"
-        assert_error(c.get(path, headers={"Authorization": "Bearer wrong"}), 401,
-                     "unauthenticated", "invalid")
+        assert_error(
+            c.get(path, headers={"Authorization": "Bearer wrong"}),
+            401,
+            "unauthenticated",
+            "invalid",
+        )
         assert_error(c.get(path, headers={"Authorization": TOKEN}), 401, "unauthenticated")
     for path in ("/v1/stats", "/metrics", "/openapi.json", "/docs"):
         assert c.get(path, headers=good).status_code == 200
@@ -471,8 +515,12 @@ def test_metrics_move_with_traffic(served: Served) -> None:
     assert metric_value(after, "lmcache_svc_requests_total", method="get_chunk", code="200") == 1
     assert metric_value(after, "lmcache_svc_requests_total", method="metrics", code="200") == 1
     assert metric_value(after, "lmcache_svc_errors_total", kind="size_mismatch") == 1
-    assert metric_value(after, "lmcache_svc_request_latency_seconds_count",
-                        transport="http", method="put_chunk") == 2
+    assert (
+        metric_value(
+            after, "lmcache_svc_request_latency_seconds_count", transport="http", method="put_chunk"
+        )
+        == 2
+    )
     assert metric_value(after, "lmcache_svc_tier_chunks", tier="cpu") == 1
     assert metric_value(after, "lmcache_svc_written_bytes_total", tier="cpu") == CHUNK_BYTES
 
@@ -488,8 +536,15 @@ def test_docs_and_openapi(served: Served) -> None:
     for path, ops in spec["paths"].items():
         for method, op in ops.items():
             assert op.get("summary"), (path, method)
-    assert {"/v1/namespaces", "/v1/keys", "/v1/lookup", "/v1/stats", "/metrics", "/healthz",
-            "/readyz"} <= set(spec["paths"])
+    assert {
+        "/v1/namespaces",
+        "/v1/keys",
+        "/v1/lookup",
+        "/v1/stats",
+        "/metrics",
+        "/healthz",
+        "/readyz",
+    } <= set(spec["paths"])
     assert "NamespaceModel" in spec["components"]["schemas"]
 
 
@@ -501,12 +556,18 @@ def test_curl_put_and_get_byte_identical(served: Served, tmp_path: Path) -> None
     src.write_bytes(os.urandom(CHUNK_BYTES))
 
     def curl(*args: str) -> str:
-        out = subprocess.run(["curl", "-sS", "-w", "%{http_code}", *args], check=True,
-                             capture_output=True, text=True, timeout=10)
+        out = subprocess.run(
+            ["curl", "-sS", "-w", "%{http_code}", *args],
+            check=True,
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
         return out.stdout
 
-    put = curl("-X", "PUT", "-H", "Content-Type: application/octet-stream",
-               "--data-binary", f"@{src}", url)
+    put = curl(
+        "-X", "PUT", "-H", "Content-Type: application/octet-stream", "--data-binary", f"@{src}", url
+    )
     assert put.endswith("201") and json.loads(put[:-3]) == {"status": "stored"}
     assert curl("-o", str(dst), url) == "200"
     assert dst.read_bytes() == src.read_bytes()
@@ -543,8 +604,16 @@ def test_check_bearer() -> None:
     check_bearer("anything", None)
     check_bearer(f"Bearer {TOKEN}", TOKEN)
     check_bearer(f"bearer  {TOKEN} ", TOKEN)
-    for header in (None, "", TOKEN, "Bearer", "Bearer ", "Basic abc", f"Bearer {TOKEN}x",
-                   "Bearer \u00e9"):
+    for header in (
+        None,
+        "",
+        TOKEN,
+        "Bearer",
+        "Bearer ",
+        "Basic abc",
+        f"Bearer {TOKEN}x",
+        "Bearer \u00e9",
+    ):
         with pytest.raises(Unauthenticated):
             check_bearer(header, TOKEN)
 

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import httpx
 
+from lmcache_svc.bench.procs import start_server
 from lmcache_svc.client import CacheClient
 from lmcache_svc.keys import chunk_hashes
 from tests.server.test_grpc import NS, make_chunk
-from tests.server_procs import start_server
 
 CHUNKS = 24  # 24 x 64 KiB into a 1 MiB arena: the oldest chunks are evicted
 

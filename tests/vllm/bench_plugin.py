@@ -30,11 +30,11 @@ from typing import Any
 
 import numpy as np
 
+from lmcache_svc.bench.procs import start_server
+from lmcache_svc.bench.vllm.bench_model import MEDIUM, TINY, VOCAB_SIZE, Shape, make_tiny_model
+from lmcache_svc.bench.vllm.engines import EngineProc, kv_transfer_config
 from lmcache_svc.client import CacheClient
 from lmcache_svc.keys import KVLayout, Namespace, chunk_hashes
-from tests.server_procs import start_server
-from tests.vllm.harness import EngineProc, kv_transfer_config
-from tests.vllm.tiny_model import MEDIUM, TINY, VOCAB_SIZE, Shape, make_tiny_model
 
 _KV_LINE = re.compile(r"KV Transfer metrics: (.*)$")
 _BENCH_ENV = {

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.vllm.harness import VLLM_PYTHON
+from lmcache_svc.bench.vllm.engines import VLLM_PYTHON
 
 PLUGIN_DIR = Path(__file__).resolve().parents[2] / "connectors" / "vllm"
 if str(PLUGIN_DIR) not in sys.path:

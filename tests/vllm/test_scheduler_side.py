@@ -19,9 +19,9 @@ from lmcache_svc_vllm.link import ServerLink
 from lmcache_svc_vllm.scheduler import SchedulerSide
 from lmcache_svc_vllm.stats import StatsRecorder
 
+from lmcache_svc.bench.procs import ServerProc, start_server
 from lmcache_svc.client import CacheClient
 from lmcache_svc.keys import KVLayout, Namespace, chunk_hashes
-from tests.server_procs import ServerProc, start_server
 
 BLOCK, CHUNK = 128, 256
 NAMESPACE = Namespace(

@@ -19,13 +19,19 @@ from typing import Any
 
 import pytest
 
+from lmcache_svc.bench.procs import ServerProc, start_server
+from lmcache_svc.bench.vllm.bench_model import (
+    HEAD_SIZE,
+    NUM_KV_HEADS,
+    VOCAB_SIZE,
+    make_tiny_model,
+)
+from lmcache_svc.bench.vllm.engines import EngineProc, delta, kv_transfer_config
 from lmcache_svc.client import CacheClient
 from lmcache_svc.keys import KVLayout, Namespace, chunk_hashes
-from tests.server_procs import ServerProc, start_server
 from tests.vllm.conftest import require_vllm_venv
-from tests.vllm.harness import EngineProc, delta, kv_transfer_config
-from tests.vllm.tiny_model import HEAD_SIZE, NUM_KV_HEADS, VOCAB_SIZE, make_tiny_model
 
+HERE = Path(__file__).resolve().parent
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(600)]
 
 CHUNK = 256
@@ -95,6 +101,7 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
             tmp,
             kv_config=b_config,
             env={"LMCACHE_SVC_TEST_KILL_FILE": str(kill_file)},
+            python_path=[HERE],
         )
         engines.append(b)
         holder = Env(tmp, model_dir, server, ref, a, b, kill_file)
@@ -211,6 +218,7 @@ def test_async_load_path(env: Env) -> None:
         env.tmp,
         kv_config=config,
         env={"LMCACHE_SVC_TEST_KILL_FILE": str(kill_file)},
+        python_path=[HERE],
     )
     try:
         for prompt in (P_ASYNC, P_ASYNC_FAULT):

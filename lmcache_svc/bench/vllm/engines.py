@@ -17,9 +17,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[2]
-VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
+REPO = Path(__file__).resolve().parents[3]
 RUNNER = Path(__file__).with_name("engine_runner.py")
+
+
+def _vllm_python() -> Path:
+    """The vLLM venv's interpreter: ``LMCACHE_SVC_VLLM_PYTHON``, else the checkout's."""
+    configured = os.environ.get("LMCACHE_SVC_VLLM_PYTHON")
+    if configured:
+        return Path(configured)
+    return REPO / ".venv-vllm" / "bin" / "python"
+
+
+VLLM_PYTHON = _vllm_python()
 STARTUP_TIMEOUT_S = 240.0
 REQUEST_TIMEOUT_S = 120.0
 
@@ -56,7 +66,9 @@ class EngineProc:
         *,
         kv_config: dict[str, Any] | None = None,
         env: dict[str, str] | None = None,
+        python_path: list[Path] | None = None,
     ) -> EngineProc:
+        """``python_path``: extra import directories (e.g. a test's own connector module)."""
         args = [str(VLLM_PYTHON), str(RUNNER), "--model", str(model_dir)]
         if kv_config is not None:
             args += ["--kv-config", json.dumps(kv_config)]
@@ -64,7 +76,7 @@ class EngineProc:
             **os.environ,
             "HF_HUB_OFFLINE": "1",
             "VLLM_CPU_KVCACHE_SPACE": "1",
-            "PYTHONPATH": str(RUNNER.parent),
+            "PYTHONPATH": os.pathsep.join(str(p) for p in [RUNNER.parent, *(python_path or [])]),
             **(env or {}),
         }
         log_path = log_dir / f"engine-{name}.log"

@@ -109,7 +109,6 @@ def start_server(
             stdout=log,
             stderr=subprocess.STDOUT,
             env=run_env,
-            cwd=Path(__file__).resolve().parents[1],
         )
     server = ServerProc(proc, workdir, log_path)
     deadline = time.monotonic() + timeout_s

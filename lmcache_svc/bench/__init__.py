@@ -1,0 +1,39 @@
+"""``lmcache-svc bench NAME``: benchmarks that print every figure next to its baseline.
+
+Each benchmark is a module here with ``run(ctx: BenchContext) -> Report``; ``runner.py``
+creates the context, times the run and writes the report. ``--quick`` shrinks every
+benchmark to about two minutes on a 2-core machine (CI runs it as a smoke test that
+asserts no timing); the default is the full mode whose results go in docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+# name -> (module, one-line description)
+BENCHMARKS: dict[str, tuple[str, str]] = {
+    "ttft": (
+        "lmcache_svc.bench.ttft",
+        "time to first token on real vLLM: prompt only, lmcache-svc hit, vLLM prefix hit, "
+        "ExampleConnector hit (MemOS matrix)",
+    ),
+    "dataplane": (
+        "lmcache_svc.bench.dataplane",
+        "store/load through shared memory, inline gRPC and REST vs a torch copy; "
+        "side by side with LMCache's server",
+    ),
+    "tiers": (
+        "lmcache_svc.bench.tiers",
+        "SSD tier vs dd O_DIRECT; Redis tier vs redis-benchmark and a naive redis-py loop",
+    ),
+    "lookup": (
+        "lmcache_svc.bench.lookup",
+        "batched lookup p50/p99 (128 chunks) with 10^5 and 10^6 chunks indexed",
+    ),
+    "overhead": (
+        "lmcache_svc.bench.overhead",
+        "vLLM throughput with the plugin and nothing ever hitting vs no plugin",
+    ),
+    "scale": (
+        "lmcache_svc.bench.scale",
+        "server memory per indexed chunk; load time vs prefix length; lookup vs index size",
+    ),
+}

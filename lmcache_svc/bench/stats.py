@@ -1,0 +1,31 @@
+"""Small statistics shared by the benchmarks (nearest-rank percentiles, rates)."""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Sequence
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """Nearest-rank percentile, ``q`` in [0, 100]: always one of the measured values."""
+    if not values:
+        raise ValueError("percentile of no values")
+    ordered = sorted(values)
+    rank = max(1, math.ceil(q / 100 * len(ordered)))
+    return ordered[min(rank, len(ordered)) - 1]
+
+
+def median(values: Sequence[float]) -> float:
+    if not values:
+        raise ValueError("median of no values")
+    return float(statistics.median(values))
+
+
+def gbps(num_bytes: float, seconds: float) -> float:
+    """Decimal gigabytes per second (1 GB = 10^9 bytes), as dd and redis-benchmark count."""
+    return num_bytes / seconds / 1e9 if seconds > 0 else float("inf")
+
+
+def ms(seconds: float) -> float:
+    return seconds * 1e3
