@@ -45,6 +45,7 @@ from redis.retry import Retry
 from lmcache_svc.errors import Corrupted, InvalidArgument, TierError
 from lmcache_svc.keys import CHUNK_KEY_BYTES, ChunkKey
 from lmcache_svc.tiers.base import Buffer, Tier
+from lmcache_svc.tiers.ledger import SizeLedger
 from lmcache_svc.tiers.redis_wire import (
     BACKEND_ERRORS,
     HEADER,
@@ -98,9 +99,7 @@ class RedisTier(Tier):
         self._prefix = key_prefix.encode()
         self._num_connections = num_connections
         self._timeout_s = float(timeout_s)
-        self._lock = threading.Lock()
-        self._sizes: dict[ChunkKey, int] = {}
-        self._used = 0
+        self._ledger = SizeLedger(capacity_bytes)
         self._connect_lock = threading.Lock()
         self._client_obj: Any = None
         self._executor = ThreadPoolExecutor(num_connections, thread_name_prefix=f"{name}-io")
@@ -110,42 +109,11 @@ class RedisTier(Tier):
 
     @property
     def used_bytes(self) -> int:
-        with self._lock:
-            return self._used
+        return self._ledger.used_bytes
 
     @property
     def num_chunks(self) -> int:
-        with self._lock:
-            return len(self._sizes)
-
-    def _reserve(self, key: ChunkKey, size: int) -> tuple[bool, int | None]:
-        """Count ``size`` bytes for ``key`` if they fit; returns (fits, the previous size)."""
-        with self._lock:
-            old = self._sizes.get(key)
-            if self._used - (old or 0) + size > self.capacity_bytes:
-                return False, old
-            self._sizes[key] = size
-            self._used += size - (old or 0)
-            return True, old
-
-    def _unreserve(self, key: ChunkKey, size: int, old: int | None) -> None:
-        with self._lock:
-            if self._sizes.get(key) != size:
-                return  # someone else changed it meanwhile: theirs is newer
-            self._used += (old or 0) - size
-            if old is None:
-                del self._sizes[key]
-            else:
-                self._sizes[key] = old
-
-    def _record(self, key: ChunkKey, size: int) -> None:
-        with self._lock:
-            self._used += size - self._sizes.get(key, 0)
-            self._sizes[key] = size
-
-    def _drop(self, key: ChunkKey) -> None:
-        with self._lock:
-            self._used -= self._sizes.pop(key, 0)
+        return self._ledger.num_chunks
 
     # -- the Tier contract -----------------------------------------------------------------
 
@@ -160,7 +128,7 @@ class RedisTier(Tier):
         results = [False] * len(jobs)
         reserved: dict[int, int | None] = {}
         for i, job in enumerate(jobs):
-            fits, old = self._reserve(job.key, len(job.data))
+            fits, old = self._ledger.reserve(job.key, len(job.data))
             if fits:
                 reserved[i] = old
         todo = list(reserved)
@@ -170,13 +138,13 @@ class RedisTier(Tier):
             )
         except BaseException:
             for i in todo:  # unknown what was written: count none of it
-                self._unreserve(jobs[i].key, len(jobs[i].data), reserved[i])
+                self._ledger.unreserve(jobs[i].key, len(jobs[i].data), reserved[i])
             raise
         errors: list[str] = []
         for i, (status, detail) in zip(todo, outcomes):
             results[i] = status == "ok"
             if status != "ok":
-                self._unreserve(jobs[i].key, len(jobs[i].data), reserved[i])
+                self._ledger.unreserve(jobs[i].key, len(jobs[i].data), reserved[i])
             if status not in ("ok", "oom"):
                 errors.append(f"{jobs[i].key.hex()}: {detail}")
         if errors:
@@ -193,7 +161,7 @@ class RedisTier(Tier):
         errors: list[str] = []
         for job, (status, detail) in zip(jobs, outcomes):
             if status == "miss":
-                self._drop(job.key)
+                self._ledger.drop(job.key)
             elif status == "corrupt":
                 corrupt.append(job.key.hex())
                 self._discard(job.key)
@@ -218,7 +186,7 @@ class RedisTier(Tier):
             pipe.strlen(rkey)
             header, value_size = pipe.execute()
         if not value_size:
-            self._drop(key)
+            self._ledger.drop(key)
             return None
         length = payload_size(key, header, value_size)
         if isinstance(length, str):
@@ -233,7 +201,7 @@ class RedisTier(Tier):
             pipe.strlen(rkey)
             pipe.delete(rkey)
             value_size, num_deleted = pipe.execute()
-        self._drop(key)
+        self._ledger.drop(key)
         return max(0, value_size - HEADER.size) if num_deleted else 0
 
     def contains_many(self, keys: Sequence[ChunkKey]) -> list[bool]:
@@ -247,7 +215,7 @@ class RedisTier(Tier):
             found = [bool(n) for n in pipe.execute()]
         for key, hit in zip(keys, found):
             if not hit:
-                self._drop(key)
+                self._ledger.drop(key)
         return found
 
     def scan(self) -> Iterator[tuple[ChunkKey, int]]:
@@ -341,12 +309,12 @@ class RedisTier(Tier):
         for rkey, value_size in zip(rkeys, pipe.execute()):
             key = self._key_of(rkey)
             if key is not None and value_size >= HEADER.size:
-                self._record(key, value_size - HEADER.size)
+                self._ledger.record(key, value_size - HEADER.size)
                 yield key, value_size - HEADER.size
 
     def _discard(self, key: ChunkKey) -> None:
         """Delete a chunk that failed its checks (best effort: the read reports it anyway)."""
-        self._drop(key)
+        self._ledger.drop(key)
         try:
             self._client.delete(self._rkey(key))
         except BACKEND_ERRORS:

@@ -1,11 +1,8 @@
 """SSD tier: one checksummed file per chunk in a local directory.
 
 Layout: ``<path>/chunks/<first 2 hex>/<96-hex ChunkKey>.kv``; writes in flight live in
-``<path>/tmp/<random>.tmp`` (leftovers are removed at start-up). A chunk file is a 4096-byte
-header block, then the payload at offset 4096 so O_DIRECT transfers stay aligned; with
-``o_direct`` the file is zero-padded to a multiple of 4096. The header (``HEADER``,
-little-endian) holds a magic, the format version, the payload length, the xxh3-64 checksum of
-the payload and the ChunkKey, so truncated, overwritten or renamed files are detected.
+``<path>/tmp/<random>.tmp`` (leftovers are removed at start-up). The file format (a 4096-byte
+header block, then the payload) is in ``ssd_format.py``.
 
 Durability (``fsync``): every write goes to a tmp file that is renamed into place.
 ``"never"`` (default) fsyncs nothing: a crash can lose recent chunks, but torn bytes are never
@@ -30,8 +27,6 @@ from __future__ import annotations
 import errno
 import logging
 import os
-import re
-import struct
 import threading
 import uuid
 from collections import OrderedDict
@@ -45,7 +40,6 @@ import xxhash
 from lmcache_svc.errors import ConfigError, Corrupted, InvalidArgument, TierError
 from lmcache_svc.keys import CHUNK_KEY_BYTES, ChunkKey
 from lmcache_svc.tiers._fileio import (
-    DIRECT_ALIGN,
     BounceBuffers,
     IoThreads,
     align_up,
@@ -57,22 +51,14 @@ from lmcache_svc.tiers._fileio import (
     write_head_and_body,
 )
 from lmcache_svc.tiers.base import Buffer, Tier
+from lmcache_svc.tiers.ssd_format import BLOCK, HEADER, key_from_name, pack_header, parse_header
 
 logger = logging.getLogger(__name__)
-
-MAGIC = b"LMCSVCS1"
-FORMAT_VERSION = 1
-BLOCK = DIRECT_ALIGN
-"""Header block size, payload offset and O_DIRECT alignment."""
-HEADER = struct.Struct("<8sHQQ48s")
-"""magic, format version, payload length, xxh3_64 of the payload, ChunkKey."""
 
 IO_THREADS = 4
 """Threads per tier for batch I/O."""
 
 FsyncPolicy = Literal["never", "always"]
-
-_NAME_RE = re.compile(rf"[0-9a-f]{{{2 * CHUNK_KEY_BYTES}}}\.kv")
 
 
 @dataclass(slots=True)
@@ -256,7 +242,7 @@ class SsdTier(Tier):
     def _check_file(self, shard: str, name: str) -> tuple[int, ChunkKey, _Entry] | None:
         """(mtime, key, entry) of a valid chunk file; removes an invalid one."""
         path = os.path.join(self._chunks_dir, shard, name)
-        key = _key_from_name(shard, name)
+        key = key_from_name(shard, name)
         if key is None:
             logger.warning("ssd tier: ignoring unexpected file %s", path)
             return None
@@ -264,7 +250,7 @@ class SsdTier(Tier):
             with open(path, "rb") as f:
                 raw = f.read(HEADER.size)
                 st = os.fstat(f.fileno())
-            length, _checksum = _parse_header(raw, key, st.st_size)
+            length, _checksum = parse_header(raw, key, st.st_size)
         except FileNotFoundError:
             return None
         except ValueError as e:
@@ -305,7 +291,7 @@ class SsdTier(Tier):
 
     def _write_tmp(self, key: ChunkKey, payload: memoryview) -> str:
         tmp = os.path.join(self._tmp_dir, f"{uuid.uuid4().hex}.tmp")
-        header = _pack_header(key, payload)
+        header = pack_header(key, payload)
         try:
             fd = os.open(tmp, self._write_flags, 0o644)
             try:
@@ -353,7 +339,7 @@ class SsdTier(Tier):
         finally:
             os.close(fd)
         try:
-            length, checksum = _parse_header(raw, key, st.st_size)
+            length, checksum = parse_header(raw, key, st.st_size)
         except ValueError as e:
             self._drop(key, path, st)
             raise Corrupted(f"{path}: {e}; chunk dropped") from None
@@ -415,34 +401,6 @@ def _check_key(key: ChunkKey) -> None:
     if not isinstance(key, bytes) or len(key) != CHUNK_KEY_BYTES:
         shown = len(key) if isinstance(key, (bytes, bytearray)) else type(key).__name__
         raise InvalidArgument(f"chunk key must be {CHUNK_KEY_BYTES} bytes, got {shown}")
-
-
-def _key_from_name(shard: str, name: str) -> ChunkKey | None:
-    if not _NAME_RE.fullmatch(name) or not name.startswith(shard):
-        return None
-    return ChunkKey(bytes.fromhex(name[: 2 * CHUNK_KEY_BYTES]))
-
-
-def _pack_header(key: ChunkKey, payload: memoryview) -> bytes:
-    checksum = xxhash.xxh3_64_intdigest(payload)
-    packed = HEADER.pack(MAGIC, FORMAT_VERSION, len(payload), checksum, key)
-    return packed + bytes(BLOCK - HEADER.size)
-
-
-def _parse_header(raw: bytes, key: ChunkKey, file_size: int) -> tuple[int, int]:
-    """(payload length, checksum) from a header; ValueError saying what is wrong."""
-    if len(raw) < HEADER.size:
-        raise ValueError(f"truncated header ({file_size} bytes)")
-    magic, version, length, checksum, stored_key = HEADER.unpack(raw[: HEADER.size])
-    if magic != MAGIC:
-        raise ValueError(f"bad magic {magic!r}")
-    if version != FORMAT_VERSION:
-        raise ValueError(f"unsupported format version {version}")
-    if stored_key != key:
-        raise ValueError(f"header names chunk {stored_key.hex()}, not the file's name")
-    if file_size not in (BLOCK + length, align_up(BLOCK + length)):
-        raise ValueError(f"file size {file_size} does not match payload length {length}")
-    return length, checksum
 
 
 def _byte_view(buf: Buffer) -> memoryview:
