@@ -23,19 +23,19 @@ import logging
 import secrets
 import threading
 import time
-from collections import OrderedDict
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from lmcache_svc.chunk_index import ChunkIndex
 from lmcache_svc.errors import InvalidArgument, PayloadTooLarge, SizeMismatch, UnknownNamespace
 from lmcache_svc.keys import (
     ChunkHash,
     ChunkKey,
     Namespace,
     NamespaceId,
-    check_chunk_hash,
     check_namespace_id,
-    make_chunk_key,
+    make_chunk_keys,
 )
 from lmcache_svc.lower import LowerTier, LowerTiers
 from lmcache_svc.metrics import Metrics
@@ -52,19 +52,6 @@ from lmcache_svc.tiers.base import Buffer, SegmentInfo, Slot, SlotTier, Tier
 from lmcache_svc.write_through import WriteThrough
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(slots=True)
-class _Entry:
-    """A chunk that has a slot in the first tier."""
-
-    slot: Slot
-    ready: bool
-    owner: str | None = None
-    deadline: float = 0.0
-    pins: int = 0
-    doomed: bool = False
-    """Deleted while pinned: freed when the last pin goes."""
 
 
 @dataclass(slots=True)
@@ -90,8 +77,7 @@ class TieredCache:
         self._first = first
         self._lower = LowerTiers(lower, self.metrics)
         self._lock = threading.RLock()
-        self._entries: OrderedDict[ChunkKey, _Entry] = OrderedDict()
-        self._detached: set[ChunkKey] = set()
+        self._index = ChunkIndex(first.slot_of)
         self._leases: dict[str, _Lease] = {}
         self._namespaces: dict[NamespaceId, Namespace] = {}
         self._sessions: set[str] = set()
@@ -171,7 +157,7 @@ class TieredCache:
         with self._lock:
             self._sessions.discard(session_id)
             lease_ids = [i for i, lease in self._leases.items() if lease.session_id == session_id]
-            owned = [k for k, e in self._entries.items() if not e.ready and e.owner == session_id]
+            owned = [k for k, e in self._index.pending() if e.owner == session_id]
         for lease_id in lease_ids:
             if self.release_load(lease_id):
                 self.metrics.expired.labels(what="lease").inc()
@@ -184,7 +170,7 @@ class TieredCache:
                 f"{len(chunk_hashes)} chunks in one request; the limit is "
                 f"{self.settings.max_chunks_per_request}"
             )
-        return [make_chunk_key(ns.namespace_id, check_chunk_hash(h)) for h in chunk_hashes]
+        return make_chunk_keys(ns.namespace_id, chunk_hashes)
 
     # -- lookup ----------------------------------------------------------------------------
 
@@ -195,16 +181,15 @@ class TieredCache:
         self.metrics.lookup_chunks.inc(len(keys))
         self.metrics.lookup_hit_chunks.inc(len(tiers))
         self.metrics.misses.inc(len(keys) - len(tiers))
-        for name in tiers:
-            self.metrics.hits.labels(tier=name).inc()
+        for name, num in Counter(tiers).items():
+            self.metrics.hits.labels(tier=name).inc(num)
         return LookupResult(len(tiers), tiers)
 
     def _locate(self, keys: list[ChunkKey]) -> list[str]:
         found: list[str] = []
         with self._lock:
             for key in keys:
-                entry = self._entries.get(key)
-                if entry is not None and entry.ready and not entry.doomed:
+                if self._index.readable(key):
                     found.append(self._first.name)
                     continue
                 tier = self._lower.local_tier(key)
@@ -240,13 +225,10 @@ class TieredCache:
         self, key: ChunkKey, nbytes: int, owner: str | None, deadline: float
     ) -> tuple[StoreStatus, Slot | None]:
         with self._lock:
-            entry = self._entries.get(key)
-            if entry is not None and not entry.doomed:
-                if entry.ready:
-                    self._entries.move_to_end(key)
-                    return "already_stored", None
-                return "in_progress", None
-            if key in self._detached or (entry is not None and entry.doomed):
+            if self._index.readable(key):
+                self._index.touch(key)
+                return "already_stored", None
+            if self._index.busy(key):  # reserved, promoting, deleted while pinned, demoting
                 return "in_progress", None
             if self._lower.local_tier(key) is not None:
                 return "already_stored", None
@@ -259,11 +241,11 @@ class TieredCache:
         """A not-ready entry for ``key`` with a fresh slot, evicting to make room."""
         while True:
             with self._lock:
-                if key in self._entries or key in self._detached:
+                if self._index.busy(key):
                     return None
                 slot = self._first.allocate(key, nbytes)
                 if slot is not None:
-                    self._entries[key] = _Entry(slot, ready=False, owner=owner, deadline=deadline)
+                    self._index.reserve(key, slot, owner, deadline)
                     return slot
             if not self._evict_first(nbytes):
                 return None
@@ -275,11 +257,11 @@ class TieredCache:
         committed: list[ChunkKey] = []
         with self._lock:
             for key in keys:
-                entry = self._entries.get(key)
+                entry = self._index.entry(key)
                 if entry is None or entry.ready or entry.doomed or entry.owner != session_id:
                     continue
-                entry.ready, entry.owner = True, None
-                self._entries.move_to_end(key)
+                self._index.mark_ready(key, entry)
+                self._index.touch(key)
                 self.metrics.bytes_written.labels(tier=self._first.name).inc(entry.slot.length)
                 committed.append(key)
         self._update_pending()
@@ -295,7 +277,7 @@ class TieredCache:
             owned = [
                 k
                 for k in keys
-                if (e := self._entries.get(k)) and not e.ready and e.owner == session_id
+                if (e := self._index.entry(k)) and not e.ready and e.owner == session_id
             ]
         return self._abort_keys(owned)
 
@@ -303,7 +285,7 @@ class TieredCache:
         num = 0
         with self._lock:
             for key in keys:
-                entry = self._entries.get(key)
+                entry = self._index.entry(key)
                 if entry is not None and not entry.ready and entry.pins == 0:
                     self._free(key)
                     num += 1
@@ -346,11 +328,10 @@ class TieredCache:
         sources: list[str] = []
         with self._lock:
             for key in keys:
-                entry = self._entries.get(key)
-                if entry is None or not entry.ready or entry.doomed:
+                if not self._index.readable(key):
                     break
-                entry.pins += 1
-                self._entries.move_to_end(key)
+                self._index.pin(key)
+                self._index.touch(key)
                 pinned.append(key)
                 sources.append(self._first.name)
         if len(pinned) < len(keys):
@@ -363,7 +344,7 @@ class TieredCache:
         lease_id = secrets.token_hex(12)
         with self._lock:
             self._leases[lease_id] = _Lease(pinned, session_id, deadline)
-            slots = [self._entries[k].slot for k in pinned]
+            slots = [self._index.slot_of(k) for k in pinned]
             self.metrics.active_leases.set(len(self._leases))
         for slot, name in zip(slots, sources):
             self.metrics.bytes_read.labels(tier=name).inc(slot.length)
@@ -373,7 +354,7 @@ class TieredCache:
         """Copy a contiguous run of chunks up from lower tiers; returns the pinned prefix."""
         with self._lock:
             num = next(
-                (i for i, k in enumerate(keys) if k in self._entries or k in self._detached),
+                (i for i, k in enumerate(keys) if self._index.busy(k)),
                 len(keys),
             )
         reserved: list[tuple[ChunkKey, LowerTier, memoryview]] = []
@@ -398,13 +379,15 @@ class TieredCache:
                 if not good:
                     self._free(key)
                     continue
-                entry = self._entries[key]
-                entry.ready, entry.owner = True, None
-                self.metrics.promotions.labels(tier=self._first.name).inc()
+                entry = self._index.entry(key)
+                if entry is None:
+                    raise RuntimeError(f"promoted chunk {key.hex()} lost its reservation")
                 if contiguous:  # later chunks stay promoted, but only a prefix is leased
                     entry.pins += 1
                     pinned.append(key)
                     sources.append(source.tier.name)
+                self._index.mark_ready(key, entry)
+                self.metrics.promotions.labels(tier=self._first.name).inc()
         return pinned, sources
 
     def release_load(self, lease_id: str) -> bool:
@@ -418,12 +401,14 @@ class TieredCache:
         return True
 
     def _unpin(self, key: ChunkKey) -> None:
-        entry = self._entries[key]
-        if entry.pins <= 0:
+        entry = self._index.entry(key)
+        if entry is None or entry.pins <= 0:
             raise RuntimeError(f"unpin of chunk {key.hex()} that is not pinned")
         entry.pins -= 1
         if entry.pins == 0 and entry.doomed:
             self._free(key)
+        else:
+            self._index.settle(key, entry)
 
     def get(self, namespace_id: bytes, chunk_hash: bytes) -> tuple[bytes, str] | None:
         """One chunk's bytes and the tier it was found in, or None."""
@@ -451,10 +436,10 @@ class TieredCache:
         for key in self._keys(namespace_id, chunk_hashes):
             found = False
             with self._lock:
-                entry = self._entries.get(key)
-                if entry is not None and entry.ready and not entry.doomed:
+                if self._index.readable(key):
                     found = True
-                    if entry.pins:
+                    entry = self._index.entry(key)
+                    if entry is not None and entry.pins:
                         entry.doomed = True
                     else:
                         self._free(key)
@@ -477,23 +462,16 @@ class TieredCache:
 
     def _evict_first(self, nbytes: int) -> int:
         """Evict least recently used unpinned chunks worth ``nbytes``; returns how many."""
-        victims: list[tuple[ChunkKey, Slot]] = []
         with self._lock:
-            freed = 0
-            for key, entry in self._entries.items():
-                if freed >= nbytes:
-                    break
-                if entry.ready and entry.pins == 0 and not entry.doomed:
-                    victims.append((key, entry.slot))
-                    freed += entry.slot.length
+            victims = self._index.least_recent_at_rest(nbytes)
             for key, _ in victims:
-                del self._entries[key]
-                self._detached.add(key)
+                self._index.remove(key)
+                self._index.detached.add(key)
         for key, slot in victims:
             self._lower.demote(key, self._first.view(slot))
         with self._lock:
             for key, _ in victims:
-                self._detached.discard(key)
+                self._index.detached.discard(key)
                 self._first.delete(key)
         self.metrics.evictions.labels(tier=self._first.name).inc(len(victims))
         return len(victims)
@@ -507,10 +485,10 @@ class TieredCache:
     def _copy_through(self, keys: list[ChunkKey]) -> None:
         """Copy committed chunks to the write-through tiers (runs on the background thread)."""
         with self._lock:
-            pinned = [k for k in keys if (e := self._entries.get(k)) and e.ready and not e.doomed]
+            pinned = [k for k in keys if self._index.readable(k)]
             for key in pinned:
-                self._entries[key].pins += 1
-            slots = [self._entries[k].slot for k in pinned]
+                self._index.pin(key)
+            slots = [self._index.slot_of(k) for k in pinned]
         try:
             self._lower.copy_through([(k, self._first.view(s)) for k, s in zip(pinned, slots)])
         finally:
@@ -525,11 +503,7 @@ class TieredCache:
         now = time.monotonic() if now is None else now
         with self._lock:
             lease_ids = [i for i, lease in self._leases.items() if lease.deadline <= now]
-            stale = [
-                k
-                for k, e in self._entries.items()
-                if not e.ready and e.pins == 0 and e.deadline <= now
-            ]
+            stale = [k for k, e in self._index.pending() if e.pins == 0 and e.deadline <= now]
         for lease_id in lease_ids:
             self.release_load(lease_id)
         num_stale = self._abort_keys(stale)
@@ -541,7 +515,7 @@ class TieredCache:
 
     def _free(self, key: ChunkKey) -> None:
         """Drop a first-tier entry and its slot (caller holds the lock)."""
-        del self._entries[key]
+        self._index.remove(key)
         self._first.delete(key)
 
     def _ttl(self, ttl_s: float | None, default: float) -> float:
@@ -558,7 +532,7 @@ class TieredCache:
 
     def num_pending_stores(self) -> int:
         with self._lock:
-            return sum(1 for e in self._entries.values() if not e.ready)
+            return self._index.num_pending
 
     def stats(self) -> CacheStats:
         with self._lock:

@@ -22,7 +22,7 @@ import json
 import re
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any, NewType
+from typing import Any, NewType, cast
 
 import numpy as np
 
@@ -232,6 +232,15 @@ def chunk_hashes(
 
 def make_chunk_key(namespace_id: bytes, chunk_hash_: bytes) -> ChunkKey:
     return ChunkKey(bytes(namespace_id) + bytes(chunk_hash_))
+
+
+def make_chunk_keys(namespace_id: bytes, chunk_hashes: Sequence[bytes]) -> list[ChunkKey]:
+    """Keys of raw chunk hashes from the wire, each checked like ``check_chunk_hash``."""
+    prefix = bytes(namespace_id)
+    keys = [prefix + h for h in chunk_hashes if type(h) is bytes and len(h) == CHUNK_HASH_BYTES]
+    if len(keys) != len(chunk_hashes):  # something else in there: the slow path names it
+        return [make_chunk_key(prefix, check_chunk_hash(h)) for h in chunk_hashes]
+    return cast("list[ChunkKey]", keys)
 
 
 def split_chunk_key(key: ChunkKey) -> tuple[NamespaceId, ChunkHash]:

@@ -15,6 +15,10 @@ Runs: a class larger than one slab takes a run of contiguous free slabs, one slo
 and gives all of them back to the pool when freed.
 
 Slabs and runs come from the lowest free addresses first.
+
+Bookkeeping is compact, because an index of millions of small chunks has millions of slots:
+a slot costs one list entry (its requested length) in its slab, and an offset is resolved
+through the slab it falls in, not through a per-slot dictionary.
 """
 
 from __future__ import annotations
@@ -42,13 +46,24 @@ class _Slab:
     num_live: int = 0
     free_offsets: list[int] = field(default_factory=list)
     retired: bool = False
+    lengths: list[int | None] = field(default_factory=list)
+    """Requested length of each carved slot; None while the slot is free."""
 
-    def take(self) -> int:
+    def take(self, nbytes: int) -> int:
         self.num_live += 1
         if self.free_offsets:
-            return self.free_offsets.pop()
+            offset = self.free_offsets.pop()
+            self.lengths[(offset - self.start) // self.class_bytes] = nbytes
+            return offset
         self.num_carved += 1
+        self.lengths.append(nbytes)
         return self.start + (self.num_carved - 1) * self.class_bytes
+
+    def length_at(self, offset: int) -> int | None:
+        position, rest = divmod(offset - self.start, self.class_bytes)
+        if rest or not 0 <= position < self.num_carved:
+            return None
+        return self.lengths[position]
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,6 +73,7 @@ class _Run:
     index: int
     num_slabs: int
     class_bytes: int
+    length: int
 
 
 class SlabAllocator:
@@ -71,18 +87,32 @@ class SlabAllocator:
         self._num_slabs = -(-capacity_bytes // slab_bytes)
         self._free_slabs = list(range(self._num_slabs - 1, -1, -1))  # descending: pop() is lowest
         self._partial: dict[int, list[_Slab]] = {}  # class size -> slabs with room (a stack)
-        self._live: dict[int, tuple[_Slab | _Run, int]] = {}  # offset -> (owner, length)
+        self._owners: list[_Slab | _Run | None] = [None] * self._num_slabs  # by slab index
+        self._num_live = 0
 
     @property
     def num_slots(self) -> int:
-        return len(self._live)
+        return self._num_live
+
+    def _live(self, offset: int) -> tuple[_Slab | _Run, int] | None:
+        """The owner and requested length of the live slot at ``offset``, or None."""
+        index = (offset - self.base) // self.slab_bytes
+        if not 0 <= index < self._num_slabs:
+            return None
+        owner = self._owners[index]
+        if owner is None:
+            return None
+        if isinstance(owner, _Run):
+            return (owner, owner.length) if offset == self._slab_start(owner.index) else None
+        length = owner.length_at(offset)
+        return None if length is None else (owner, length)
 
     def class_bytes_of(self, offset: int) -> int | None:
-        entry = self._live.get(offset)
+        entry = self._live(offset)
         return None if entry is None else entry[0].class_bytes
 
     def length_of(self, offset: int) -> int | None:
-        entry = self._live.get(offset)
+        entry = self._live(offset)
         return None if entry is None else entry[1]
 
     def allocate(self, nbytes: int) -> int | None:
@@ -90,28 +120,29 @@ class SlabAllocator:
         class_bytes = round_up(nbytes)
         owner: _Slab | _Run | None
         if class_bytes > self.slab_bytes:
-            owner = self._take_run(class_bytes)
+            owner = self._take_run(class_bytes, nbytes)
             offset = None if owner is None else self._slab_start(owner.index)
         else:
             owner = self._slab_with_room(class_bytes)
-            offset = None if owner is None else owner.take()
+            offset = None if owner is None else owner.take(nbytes)
         if owner is None or offset is None:
             return None
-        self._live[offset] = (owner, nbytes)
+        self._num_live += 1
         self.used_bytes += class_bytes
         return offset
 
     def free(self, offset: int, length: int) -> None:
-        entry = self._live.get(offset)
+        entry = self._live(offset)
         if entry is None or entry[1] != length:
             raise RuntimeError(
                 f"arena free of offset {offset} (length {length}) which is not an allocated "
                 f"slot (live length: {None if entry is None else entry[1]})"
             )
-        del self._live[offset]
         owner = entry[0]
+        self._num_live -= 1
         self.used_bytes -= owner.class_bytes
         if isinstance(owner, _Run):
+            self._owners[owner.index] = None
             for index in range(owner.index, owner.index + owner.num_slabs):
                 insort(self._free_slabs, index, key=neg)
             return
@@ -120,8 +151,10 @@ class SlabAllocator:
     def _release_from_slab(self, slab: _Slab, offset: int) -> None:
         was_full = slab.num_live == slab.num_slots
         slab.num_live -= 1
+        slab.lengths[(offset - slab.start) // slab.class_bytes] = None
         if slab.num_live == 0:
             slab.retired = True
+            self._owners[slab.index] = None
             insort(self._free_slabs, slab.index, key=neg)
             return
         slab.free_offsets.append(offset)
@@ -150,11 +183,12 @@ class SlabAllocator:
             return None
         self._free_slabs.pop()
         slab = _Slab(index, self._slab_start(index), class_bytes, num_slots)
+        self._owners[index] = slab
         if num_slots > 1:
             stack.append(slab)
         return slab
 
-    def _take_run(self, class_bytes: int) -> _Run | None:
+    def _take_run(self, class_bytes: int, nbytes: int) -> _Run | None:
         need = -(-class_bytes // self.slab_bytes)
         free = self._free_slabs  # descending
         pos = len(free) - 1
@@ -166,7 +200,9 @@ class SlabAllocator:
                 if end - self._slab_start(first) < class_bytes:
                     return None  # this run ends in the short last slab: nothing further
                 del free[last_pos : pos + 1]
-                return _Run(first, need, class_bytes)
+                run = _Run(first, need, class_bytes, nbytes)
+                self._owners[first] = run
+                return run
             pos -= 1
         return None
 

@@ -16,6 +16,8 @@ from lmcache_svc.keys import (
     Namespace,
     chunk_hash,
     chunk_hashes,
+    make_chunk_key,
+    make_chunk_keys,
     pack_token_ids,
     parse_chunk_hash,
     parse_namespace_id,
@@ -167,3 +169,13 @@ def test_hex_parsing() -> None:
     for bad in ("", "zz" * 32, GOLDEN_HASHES[0][:-1], GOLDEN_HASHES[0] + "00"):
         with pytest.raises(InvalidArgument, match="chunk hash"):
             parse_chunk_hash(bad)
+
+
+def test_make_chunk_keys_matches_make_chunk_key_and_checks_every_hash() -> None:
+    ns_id = bytes(range(16))
+    hashes = [bytes([i]) * 32 for i in range(3)]
+
+    assert make_chunk_keys(ns_id, hashes) == [make_chunk_key(ns_id, h) for h in hashes]
+    assert make_chunk_keys(ns_id, [bytearray(hashes[0])]) == [make_chunk_key(ns_id, hashes[0])]
+    with pytest.raises(InvalidArgument, match="got 31"):
+        make_chunk_keys(ns_id, [hashes[0], b"x" * 31])

@@ -71,3 +71,27 @@ def test_free_of_a_wrong_length_or_unknown_offset_raises() -> None:
     alloc.free(offset, 100)
     with pytest.raises(RuntimeError, match="live length: None"):
         alloc.free(offset, 100)
+
+
+def test_offsets_inside_a_slot_or_past_the_carved_ones_are_not_slots() -> None:
+    alloc = make_allocator()
+    first = take(alloc, ALIGN)
+    run = take(alloc, SLAB + 1)
+
+    assert alloc.length_of(first + 1) is None  # inside a slot
+    assert alloc.length_of(first + ALIGN) is None  # in the slab, never carved
+    assert alloc.length_of(run + ALIGN) is None  # inside a run
+    assert alloc.length_of(BASE - ALIGN) is None  # before the base
+    assert alloc.length_of(BASE + 100 * SLAB) is None  # past the end
+    with pytest.raises(RuntimeError, match="live length: None"):
+        alloc.free(run + ALIGN, SLAB + 1)
+
+
+def test_a_reused_slot_reports_its_new_length() -> None:
+    alloc = make_allocator()
+    offsets = [take(alloc, 10), take(alloc, 20)]
+    alloc.free(offsets[0], 10)
+
+    assert take(alloc, 30) == offsets[0]
+    assert [alloc.length_of(o) for o in offsets] == [30, 20]
+    assert alloc.num_slots == 2

@@ -4,6 +4,10 @@ Same-host clients map the arena (``segment()``) and copy into or out of slots in
 server copies for inline transfers through ``put`` and ``read_into``. A slot being read is
 pinned: deleting or replacing its key meanwhile frees it only when the last read ends, so a
 reader never sees a slot reused under it.
+
+The index holds each slot as one int (page number and length packed), not a ``Slot``
+object: an index of millions of chunks is the server's main memory cost beyond the payloads,
+and for arenas up to 16 GiB the packed int stays under 2^60 (a 32-byte Python int).
 """
 
 from __future__ import annotations
@@ -14,7 +18,24 @@ from collections.abc import Sequence
 from lmcache_svc.arena import Arena
 from lmcache_svc.errors import InvalidArgument
 from lmcache_svc.keys import ChunkKey
+from lmcache_svc.slab import ALIGN
 from lmcache_svc.tiers.base import Buffer, SegmentInfo, Slot, SlotTier
+
+
+class _SlotPacker:
+    """``Slot`` <-> one int: the slot's page number (offsets are page-aligned), then its length."""
+
+    def __init__(self, max_length: int) -> None:
+        self.length_bits = max_length.bit_length()
+        self.length_mask = (1 << self.length_bits) - 1
+
+    def pack(self, slot: Slot) -> int:
+        if slot.offset % ALIGN or not 0 < slot.length <= self.length_mask:
+            raise RuntimeError(f"slot {slot} is not page-aligned or too long to pack")
+        return (slot.offset // ALIGN) << self.length_bits | slot.length
+
+    def unpack(self, packed: int) -> Slot:
+        return Slot((packed >> self.length_bits) * ALIGN, packed & self.length_mask)
 
 
 class CpuTier(SlotTier):
@@ -25,7 +46,8 @@ class CpuTier(SlotTier):
         self.capacity_bytes = arena.capacity_bytes
         self._arena = arena
         self._lock = threading.Lock()
-        self._slots: dict[ChunkKey, Slot] = {}
+        self._slots: dict[ChunkKey, int] = {}  # packed slots
+        self._packer = _SlotPacker(arena.capacity_bytes)
         self._num_readers: dict[Slot, int] = {}
         self._orphans: set[Slot] = set()  # dropped from the index while being read
 
@@ -48,7 +70,7 @@ class CpuTier(SlotTier):
                 raise RuntimeError(f"tier {self.name!r}: key {key.hex()} already has a slot")
             slot = self._arena.allocate(nbytes)
             if slot is not None:
-                self._slots[key] = slot
+                self._slots[key] = self._packer.pack(slot)
         return slot
 
     def put(self, key: ChunkKey, data: Buffer) -> bool:
@@ -62,16 +84,17 @@ class CpuTier(SlotTier):
         self._arena.view(slot)[:] = src
         with self._lock:
             old = self._slots.get(key)
-            self._slots[key] = slot
+            self._slots[key] = self._packer.pack(slot)
             if old is not None:
-                self._release(old)
+                self._release(self._packer.unpack(old))
         return True
 
     def read_into(self, key: ChunkKey, out: memoryview) -> bool:
         with self._lock:
-            slot = self._slots.get(key)
-            if slot is None:
+            packed = self._slots.get(key)
+            if packed is None:
                 return False
+            slot = self._packer.unpack(packed)
             if out.nbytes != slot.length:
                 raise InvalidArgument(
                     f"read buffer is {out.nbytes} bytes, chunk {key.hex()} is {slot.length}"
@@ -100,15 +123,16 @@ class CpuTier(SlotTier):
             self._arena.free(slot)
 
     def size_of(self, key: ChunkKey) -> int | None:
-        slot = self._slots.get(key)
-        return None if slot is None else slot.length
+        packed = self._slots.get(key)
+        return None if packed is None else packed & self._packer.length_mask
 
     def delete(self, key: ChunkKey) -> int:
         """Drop ``key``; returns the arena bytes (its size class) it frees, now or after reads."""
         with self._lock:
-            slot = self._slots.pop(key, None)
-            if slot is None:
+            packed = self._slots.pop(key, None)
+            if packed is None:
                 return 0
+            slot = self._packer.unpack(packed)
             freed = self._arena.class_bytes_of(slot)
             self._release(slot)
         return freed
@@ -118,7 +142,8 @@ class CpuTier(SlotTier):
         return [key in slots for key in keys]
 
     def slot_of(self, key: ChunkKey) -> Slot | None:
-        return self._slots.get(key)
+        packed = self._slots.get(key)
+        return None if packed is None else self._packer.unpack(packed)
 
     def view(self, slot: Slot) -> memoryview:
         return self._arena.view(slot)

@@ -1,0 +1,133 @@
+"""The first tier's chunk index: which chunks have a slot, in what state, in LRU order.
+
+An index of millions of chunks must stay small (``bench scale`` measures bytes per chunk),
+so a chunk at rest (committed, not pinned, not being deleted) is held as ``None``: no state
+beyond its place in the LRU order, its slot being the tier's to tell (``slot_of``). A chunk
+in flux (reserved, being promoted, pinned by a lease or a copy, or deleted while pinned)
+gets an ``Entry`` with its state for that time, dropped again when it settles. The order is
+least recently used first.
+
+Not locked: the cache's lock guards every call.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+from lmcache_svc.keys import ChunkKey
+from lmcache_svc.tiers.base import Slot
+
+
+@dataclass(slots=True)
+class Entry:
+    """A chunk in flux."""
+
+    slot: Slot
+    ready: bool
+    owner: str | None = None
+    deadline: float = 0.0
+    pins: int = 0
+    doomed: bool = False
+    """Deleted while pinned: freed when the last pin goes."""
+
+    @property
+    def at_rest(self) -> bool:
+        return self.ready and self.pins == 0 and not self.doomed
+
+
+class ChunkIndex:
+    def __init__(self, tier_slot_of: Callable[[ChunkKey], Slot | None]) -> None:
+        self._tier_slot_of = tier_slot_of
+        self._items: OrderedDict[ChunkKey, Entry | None] = OrderedDict()  # None: at rest
+        self._pending: set[ChunkKey] = set()  # not ready yet: reserved or being promoted
+        self.detached: set[ChunkKey] = set()
+        """Keys evicted from the index whose bytes are being demoted (not yet freed)."""
+
+    def __contains__(self, key: ChunkKey) -> bool:
+        return key in self._items
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def busy(self, key: ChunkKey) -> bool:
+        """True when ``key`` has an entry or is being demoted: no new slot for it now."""
+        return key in self._items or key in self.detached
+
+    def entry(self, key: ChunkKey) -> Entry | None:
+        """The key's state while it is in flux (None for a chunk at rest or absent)."""
+        return self._items.get(key)
+
+    def readable(self, key: ChunkKey) -> bool:
+        """True for a committed chunk that is not being deleted."""
+        items = self._items
+        value = items.get(key)
+        if value is None:
+            return key in items
+        return value.ready and not value.doomed
+
+    def slot_of(self, key: ChunkKey) -> Slot:
+        value = self._items[key]
+        if value is not None:
+            return value.slot
+        slot = self._tier_slot_of(key)
+        if slot is None:
+            raise RuntimeError(f"chunk {key.hex()} is indexed but its tier has no slot for it")
+        return slot
+
+    def reserve(self, key: ChunkKey, slot: Slot, owner: str | None, deadline: float) -> None:
+        self._items[key] = Entry(slot, ready=False, owner=owner, deadline=deadline)
+        self._pending.add(key)
+
+    def mark_ready(self, key: ChunkKey, entry: Entry) -> None:
+        entry.ready, entry.owner = True, None
+        self._pending.discard(key)
+        self.settle(key, entry)
+
+    def settle(self, key: ChunkKey, entry: Entry) -> None:
+        """Back to the bare slot once the chunk is at rest (its LRU position is kept)."""
+        if entry.at_rest:
+            self._items[key] = None
+
+    def pin(self, key: ChunkKey) -> None:
+        entry = self._items[key]
+        if entry is None:
+            entry = self._items[key] = Entry(self.slot_of(key), ready=True)
+        entry.pins += 1
+
+    def touch(self, key: ChunkKey) -> None:
+        self._items.move_to_end(key)
+
+    def remove(self, key: ChunkKey) -> Slot:
+        slot = self.slot_of(key)
+        del self._items[key]
+        self._pending.discard(key)
+        return slot
+
+    def pending(self) -> Iterator[tuple[ChunkKey, Entry]]:
+        """Entries not ready yet (reserved or being promoted), as a snapshot."""
+        items = self._items
+        for key in list(self._pending):
+            entry = items[key]
+            if entry is None:
+                raise RuntimeError(f"pending chunk {key.hex()} has no entry")
+            yield key, entry
+
+    @property
+    def num_pending(self) -> int:
+        return len(self._pending)
+
+    def least_recent_at_rest(self, nbytes: int) -> list[tuple[ChunkKey, Slot]]:
+        """The least recently used chunks at rest whose slots add up to ``nbytes`` or more."""
+        victims: list[tuple[ChunkKey, Slot]] = []
+        freed = 0
+        for key, entry in self._items.items():
+            if freed >= nbytes:
+                break
+            if entry is not None and not entry.at_rest:
+                continue
+            slot = self.slot_of(key)
+            victims.append((key, slot))
+            freed += slot.length
+        return victims

@@ -1,0 +1,76 @@
+"""Smoke test of ``bench lookup`` in quick mode: structure and sanity, never timings."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from lmcache_svc.bench.lookup import (
+    HANDLER_ROW,
+    SERVER_ROW,
+    SHAPES,
+    expected_hits,
+    prompt_hashes,
+    synthetic_hash,
+)
+from lmcache_svc.bench.runner import run_benchmark
+
+
+def test_prompt_shapes_hit_where_they_say() -> None:
+    indexed = {synthetic_hash(i) for i in range(1000)}
+    for shape in SHAPES:
+        hashes = prompt_hashes(shape, 1000)
+        assert len(hashes) == 128
+        hits = 0
+        while hits < len(hashes) and hashes[hits] in indexed:
+            hits += 1
+        assert hits == expected_hits(shape)
+
+
+def test_unknown_shape_is_refused() -> None:
+    with pytest.raises(ValueError, match="unknown prompt shape"):
+        prompt_hashes("half hit", 1000)
+
+
+def test_bad_sizes_are_refused(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="index sizes"):
+        run_benchmark("lookup", quick=True, out_dir=tmp_path, options={"sizes": "10"})
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_quick_mode(tmp_path: Path) -> None:
+    report = run_benchmark(
+        "lookup", quick=True, out_dir=tmp_path, options={"sizes": "2000,20000", "iters": "50"}
+    )
+    data = json.loads((tmp_path / "lookup.json").read_text())
+    assert (tmp_path / "lookup.md").read_text().startswith("## bench lookup (quick)")
+    assert set(data["data"]["sizes"]) == {"2000", "20000"}
+    (table,) = report.tables
+    paths = {row[1] for row in table.rows}
+    assert {
+        "server-side (cache.lookup)",
+        "unix socket round trip",
+        "tcp gRPC round trip",
+        "REST round trip",
+        "baseline: dict lookup of 128 keys",
+        "baseline: gRPC health check (unix socket)",
+    } <= paths
+    # 2 sizes x (4 paths and the server's handler mean x 3 shapes + 3 baselines)
+    assert len(table.rows) == 2 * (5 * len(SHAPES) + 3)
+    for row in table.rows:
+        p50, p99 = row[3], row[4]
+        assert row[6] > 0
+        if row[1] == HANDLER_ROW:
+            assert p99 == "-" and math.isfinite(p50) and p50 > 0
+        else:
+            assert math.isfinite(p50) and 0 < p50 <= p99
+        if row[1] == SERVER_ROW:
+            assert 0 < row[5] < math.inf
+    assert [t.name.split(" at ")[0] for t in report.targets] == [
+        "lookup p99 server-side",
+        "lookup p99 round trip over the Unix socket",
+    ]

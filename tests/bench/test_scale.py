@@ -1,0 +1,54 @@
+"""Smoke test of ``bench scale`` in quick mode: structure and sanity, never timings."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+
+import pytest
+
+from lmcache_svc.bench.runner import run_benchmark
+from lmcache_svc.bench.scale import private_bytes
+
+
+def test_private_bytes_grows_with_private_memory() -> None:
+    before = private_bytes(os.getpid())
+    block = bytearray(64 * 2**20)
+    block[::4096] = b"\x01" * len(block[::4096])  # touch every page
+    after = private_bytes(os.getpid())
+    assert after - before >= 60 * 2**20
+    del block
+
+
+def test_bad_steps_are_refused(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="steps"):
+        run_benchmark("scale", quick=True, out_dir=tmp_path, options={"steps": "5000,1000"})
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_quick_mode(tmp_path: Path) -> None:
+    report = run_benchmark(
+        "scale",
+        quick=True,
+        out_dir=tmp_path,
+        options={"steps": "1000,10000,30000", "tracemalloc_chunks": "10000", "iters": "50"},
+    )
+    data = json.loads((tmp_path / "scale.json").read_text())["data"]
+    assert [s["chunks"] for s in data["index_steps"]] == [1000, 10000, 30000]
+    for step in data["index_steps"][1:]:
+        assert step["private_bytes"] > 0 and math.isfinite(step["bytes_per_chunk"])
+    assert 0 < data["tracemalloc_bytes_per_chunk"] < 10_000
+    loads = data["load"]
+    assert [r["chunks"] for r in loads] == [1, 4, 16, 64]
+    for r in loads:
+        assert min(r["shm_s"], r["copy_s"], r["copy_4k_s"], r["rpc_s"]) > 0
+    titles = [t.title for t in report.tables]
+    assert titles[0].startswith("Server memory per indexed chunk")
+    assert any(t.startswith("Load time vs prefix length") for t in titles)
+    assert {Path(p).name for p in report.plots} <= {"scale_lookup.png", "scale_load.png"}
+    for plot in report.plots:
+        assert Path(plot).stat().st_size > 0
+    assert report.targets[0].name.startswith("server memory per indexed chunk")
