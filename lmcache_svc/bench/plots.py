@@ -67,8 +67,8 @@ def lines(
     fig, ax = plt.subplots(figsize=(6.5, 4.5))
     for label, values in series.items():
         ax.plot(xs, values, marker="o", label=label)
-    for label, values in (baselines or {}).items():
-        ax.plot(xs, values, linestyle="--", color="gray", label=label)
+    for (label, values), style in zip((baselines or {}).items(), ["--", ":", "-."] * 4):
+        ax.plot(xs, values, linestyle=style, color="gray", label=label)
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     ax.set_title(title)

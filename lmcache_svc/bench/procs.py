@@ -112,12 +112,16 @@ def start_server(
         )
     server = ServerProc(proc, workdir, log_path)
     deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if ready_file.exists():
-            server.ready = json.loads(ready_file.read_text())
-            return server
-        if proc.poll() is not None:
-            break
-        time.sleep(0.05)
+    try:
+        while time.monotonic() < deadline:
+            if ready_file.exists():
+                server.ready = json.loads(ready_file.read_text())
+                return server
+            if proc.poll() is not None:
+                break
+            time.sleep(0.05)
+    except BaseException:  # Ctrl-C while waiting must not leave a server running
+        server.cleanup()
+        raise
     server.cleanup()
     raise RuntimeError(f"server did not become ready (exit {proc.poll()}):\n{server.log()[-4000:]}")
