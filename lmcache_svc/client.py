@@ -175,6 +175,14 @@ class CacheClient:
         except errors.ServerUnavailable:
             return False
 
+    def wait_shm_ready(self, timeout_s: float = 60.0) -> bool:
+        """Open the session and wait until the segment is mapped and pre-faulted here
+        (benchmarks time copies only once the mapping is warm); False without shm."""
+        if not self.shm_available:
+            return False
+        mapping = self._live_session().mapping
+        return mapping is not None and mapping.prefault_done.wait(timeout_s)
+
     # -- namespaces and lookup -----------------------------------------------------------
 
     def register_namespace(self, namespace: Namespace) -> NamespaceId:

@@ -79,6 +79,16 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="lmcache-svc-grpc")
         self._stopping = asyncio.Event()
         self._inline_lookup = not any(t.shared for t in cache.tiers)
+        # With the CPU tier alone, prepare/commit/delete only touch in-memory indices (no
+        # disk, no network): running them on the event loop saves two thread hand-offs per
+        # call (~0.1-0.2 ms of a 0.6 ms round trip here). Lower tiers may block: pool.
+        self._inline_slots = len(cache.tiers) == 1
+
+    async def _slots(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """A slot operation: inline when it cannot block (CPU tier only), else in the pool."""
+        if self._inline_slots:
+            return fn(*args, **kwargs)
+        return await self._run(fn, *args, **kwargs)
 
     async def _run(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         loop = asyncio.get_running_loop()
@@ -130,7 +140,7 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
     @_rpc
     async def PrepareStore(self, request: Any, context: Any) -> pb.PrepareStoreResponse:
         self._check_session(request.session_id)
-        prepared = await self._run(
+        prepared = await self._slots(
             self._cache.prepare_store,
             request.namespace_id,
             request.chunk_hashes,
@@ -151,7 +161,7 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
     @_rpc
     async def CommitStore(self, request: Any, context: Any) -> pb.CommitStoreResponse:
         fn = self._cache.abort_store if request.abort else self._cache.commit_store
-        num = await self._run(
+        num = await self._slots(
             fn, request.namespace_id, request.chunk_hashes, session_id=request.session_id or None
         )
         return pb.CommitStoreResponse(num_committed=num)
@@ -159,7 +169,7 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
     @_rpc
     async def PrepareLoad(self, request: Any, context: Any) -> pb.PrepareLoadResponse:
         self._check_session(request.session_id)
-        lease = await self._run(
+        lease = await self._slots(
             self._cache.prepare_load,
             request.namespace_id,
             request.chunk_hashes,
@@ -252,7 +262,7 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
 
     @_rpc
     async def Delete(self, request: Any, context: Any) -> pb.DeleteResponse:
-        num = await self._run(self._cache.delete, request.namespace_id, request.chunk_hashes)
+        num = await self._slots(self._cache.delete, request.namespace_id, request.chunk_hashes)
         return pb.DeleteResponse(num_deleted=num)
 
     @_rpc
