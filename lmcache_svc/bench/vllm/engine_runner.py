@@ -7,6 +7,10 @@ stdout (everything vLLM prints goes to stderr):
 
     {"op": "generate", "prompts": [[ids...], ...], "max_tokens": 8}
         -> {"ok": true, "outputs": [{"token_ids": [...], "num_cached_tokens": n}], "elapsed_s": t}
+    {"op": "ttft", "prompt": [ids...], "max_tokens": 8}
+        -> {"ok": true, "ttft_s": t, "elapsed_s": t, "token_ids": [...], "num_cached_tokens": n}
+        one request, streamed: ``ttft_s`` runs from handing the request to the engine
+        (``LLMEngine.add_request``) to the first step that returns a generated token.
     {"op": "metrics"}             -> {"ok": true, "metrics": {"name{label=value}": number}}
     {"op": "reset_prefix_cache"}  -> {"ok": true}   (empties vLLM's own prefix cache)
     {"op": "log_stats"}           -> {"ok": true}   (vLLM logs its stats now, incl. the
@@ -41,6 +45,8 @@ def _parse_args() -> argparse.Namespace:
     p.add_argument("--block-size", type=int, default=128)
     p.add_argument("--max-model-len", type=int, default=8192)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-prefix-caching", action="store_true", help="vLLM's own prefix cache off")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None)
     return p.parse_args()
 
 
@@ -50,6 +56,10 @@ def _make_llm(args: argparse.Namespace) -> Any:
     kwargs: dict[str, Any] = {}
     if args.kv_config:
         kwargs["kv_transfer_config"] = json.loads(args.kv_config)
+    if args.no_prefix_caching:
+        kwargs["enable_prefix_caching"] = False
+    if args.max_num_batched_tokens:
+        kwargs["max_num_batched_tokens"] = args.max_num_batched_tokens
     return LLM(
         model=args.model,
         skip_tokenizer_init=True,
@@ -81,6 +91,37 @@ def _generate(llm: Any, cmd: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def _ttft(llm: Any, cmd: dict[str, Any]) -> dict[str, Any]:
+    """One request through ``LLMEngine.step``, as a streaming client sees it."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    engine = llm.llm_engine
+    if engine.has_unfinished_requests():
+        raise RuntimeError("ttft needs an idle engine")
+    params = SamplingParams(temperature=0.0, max_tokens=int(cmd["max_tokens"]), ignore_eos=True)
+    prompt = TokensPrompt(prompt_token_ids=list(cmd["prompt"]))
+    first: float | None = None
+    final: Any = None
+    start = time.perf_counter()
+    engine.add_request(f"ttft-{time.monotonic_ns()}", prompt, params)
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if first is None and out.outputs and out.outputs[0].token_ids:
+                first = time.perf_counter() - start
+            if out.finished:
+                final = out
+    elapsed = time.perf_counter() - start
+    if final is None or first is None:
+        raise RuntimeError("the request finished without output")
+    return {
+        "ttft_s": first,
+        "elapsed_s": elapsed,
+        "token_ids": list(final.outputs[0].token_ids),
+        "num_cached_tokens": final.num_cached_tokens,
+    }
+
+
 def _metrics(llm: Any) -> dict[str, Any]:
     from vllm.v1.metrics.reader import Counter, Histogram
 
@@ -109,6 +150,8 @@ def _serve(llm: Any, answers: TextIO) -> None:
         try:
             if op == "generate":
                 result = _generate(llm, cmd)
+            elif op == "ttft":
+                result = _ttft(llm, cmd)
             elif op == "metrics":
                 result = _metrics(llm)
             elif op == "reset_prefix_cache":

@@ -49,6 +49,23 @@ def kv_transfer_config(
     }
 
 
+def example_connector_config(storage_dir: Path, *, prefix_match: bool = True) -> dict[str, Any]:
+    """vLLM's ExampleConnector (safetensors files in ``storage_dir``). ``prefix_match``: the
+    ``example_prefix`` subclass, which also hits a stored block-aligned prefix of a prompt
+    (the stock connector only hits a prompt stored whole)."""
+    if prefix_match:
+        connector, module = "ExamplePrefixConnector", "example_prefix"
+    else:
+        connector = "ExampleConnector"
+        module = "vllm.distributed.kv_transfer.kv_connector.v1.example_connector"
+    return {
+        "kv_connector": connector,
+        "kv_connector_module_path": module,
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {"shared_storage_path": str(storage_dir)},
+    }
+
+
 @dataclass
 class EngineProc:
     name: str
@@ -67,15 +84,27 @@ class EngineProc:
         kv_config: dict[str, Any] | None = None,
         env: dict[str, str] | None = None,
         python_path: list[Path] | None = None,
+        prefix_caching: bool = True,
+        max_num_batched_tokens: int | None = None,
+        max_model_len: int | None = None,
+        kv_cache_gib: int = 1,
     ) -> EngineProc:
-        """``python_path``: extra import directories (e.g. a test's own connector module)."""
+        """``python_path``: extra import directories (e.g. a test's own connector module).
+        ``prefix_caching=False`` turns vLLM's own prefix cache off; ``kv_cache_gib`` sets
+        ``VLLM_CPU_KVCACHE_SPACE`` (default 1 GiB)."""
         args = [str(VLLM_PYTHON), str(RUNNER), "--model", str(model_dir)]
         if kv_config is not None:
             args += ["--kv-config", json.dumps(kv_config)]
+        if not prefix_caching:
+            args.append("--no-prefix-caching")
+        if max_num_batched_tokens is not None:
+            args += ["--max-num-batched-tokens", str(max_num_batched_tokens)]
+        if max_model_len is not None:
+            args += ["--max-model-len", str(max_model_len)]
         run_env = {
             **os.environ,
             "HF_HUB_OFFLINE": "1",
-            "VLLM_CPU_KVCACHE_SPACE": "1",
+            "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib),
             "PYTHONPATH": os.pathsep.join(str(p) for p in [RUNNER.parent, *(python_path or [])]),
             **(env or {}),
         }
@@ -132,6 +161,13 @@ class EngineProc:
             op="generate", prompts=prompts, max_tokens=max_tokens
         )["outputs"]
         return outputs
+
+    def ttft(self, prompt: list[int], max_tokens: int) -> dict[str, Any]:
+        """One streamed request: ``ttft_s``, ``elapsed_s``, ``token_ids``, ``num_cached_tokens``
+        (timed inside the engine process, so the JSON pipe is not counted)."""
+        answer = self.request(op="ttft", prompt=prompt, max_tokens=max_tokens)
+        answer.pop("ok", None)
+        return answer
 
     def metrics(self) -> dict[str, float]:
         metrics: dict[str, float] = self.request(op="metrics")["metrics"]

@@ -1,0 +1,90 @@
+"""``bench ttft``: parameters, the MemOS reference figures, the output check, and the quick
+mode end to end on real vLLM engines (structure and sanity only, never timings)."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from lmcache_svc.bench.runner import BenchContext, run_benchmark
+from lmcache_svc.bench.ttft import make_workload, params
+from lmcache_svc.bench.vllm.engines import VLLM_PYTHON
+from lmcache_svc.bench.vllm_ttft import Sample
+from lmcache_svc.bench.vllm_ttft_report import memos_speedup, output_mismatches
+
+
+def _ctx(tmp_path: Path, **options: str) -> BenchContext:
+    return BenchContext("ttft", True, tmp_path, tmp_path, print, dict(options))
+
+
+def test_params_reject_bad_input(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="strategies"):
+        params(_ctx(tmp_path, strategies="a,x"))
+    with pytest.raises(ValueError, match="strategies"):
+        params(_ctx(tmp_path, strategies="b,c"))  # (a) is every speedup's baseline
+    with pytest.raises(ValueError, match="max_model_len"):
+        params(_ctx(tmp_path, contexts="8000", queries="500"))
+    with pytest.raises(ValueError, match="token counts"):
+        params(_ctx(tmp_path, contexts="583,lots"))
+    with pytest.raises(ValueError, match="shape"):
+        params(_ctx(tmp_path, model="huge"))
+
+
+def test_workload_queries_differ_and_share_their_context(tmp_path: Path) -> None:
+    p = params(_ctx(tmp_path, contexts="583,2773", queries="167", num_queries="3"))
+    workload = make_workload(p)
+    assert set(workload.queries) == {(583, 167), (2773, 167)}
+    prompts = workload.prompts((583, 167))
+    assert len({tuple(q) for q in workload.queries[(583, 167)]}) == 3
+    assert all(pr[:583] == workload.contexts[583] and len(pr) == 750 for pr in prompts)
+    assert len(workload.warmup) == 2773 + 167
+    assert make_workload(p) == workload  # a pure function of the seed
+
+
+def test_memos_speedups_from_the_published_reductions() -> None:
+    assert memos_speedup((6064, 167)) == pytest.approx(1 / (1 - 0.942))
+    assert memos_speedup((583, 953)) == pytest.approx(1 / 0.77)
+    assert memos_speedup((1000, 167)) is None  # no published cell: no target
+
+
+def test_output_mismatches_counts_first_and_later_tokens() -> None:
+    def samples(*tokens: list[int]) -> list[Sample]:
+        return [Sample(0.1, t, 0) for t in tokens]
+
+    cell = (583, 167)
+    results = {
+        "a": {cell: samples([1, 2, 3], [4, 5, 6])},
+        "b": {cell: samples([1, 2, 3], [4, 5, 6])},
+        "c": {cell: samples([1, 2, 9], [4, 5, 6])},
+        "d": {cell: samples([7, 2, 3], [4, 5, 0])},
+    }
+    assert output_mismatches(results, cell) == {"c": (0, 1), "d": (1, 2)}
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+@pytest.mark.timeout(1200)
+def test_quick_mode_end_to_end(tmp_path: Path) -> None:
+    if not VLLM_PYTHON.exists():
+        pytest.skip(f"{VLLM_PYTHON} is missing: run scripts/setup_vllm.sh first")
+    report = run_benchmark("ttft", quick=True, out_dir=tmp_path)
+    ttft, served = report.tables[0], report.tables[1]
+    assert [(r[0], r[1]) for r in ttft.rows] == [(2773, 167), (2773, 953)]
+    for row in ttft.rows:
+        medians_ms = row[2:6]  # a, b, c, d
+        assert all(math.isfinite(v) and v > 0 for v in medians_ms)
+    for row in served.rows:
+        a, b, c, d = row[2:6]
+        assert a == 0  # prefix caching off: nothing served
+        assert b == 2560  # 10 whole 256-token chunks of the 2773-token context
+        assert c == d == 2688  # 21 whole 128-token blocks
+    first_token = next(t for t in report.targets if "first token" in t.name)
+    assert first_token.value == 0, "a cache hit changed the first generated token"
+    data = json.loads((tmp_path / "ttft.json").read_text())
+    assert {c["context"] for c in data["data"]["cells"]} == {2773}
+    assert all(len(c["b"]) == 2 for c in data["data"]["cells"])
+    assert (tmp_path / "ttft.md").read_text().startswith("## bench ttft (quick)")
+    assert (tmp_path / "ttft.png").stat().st_size > 0
