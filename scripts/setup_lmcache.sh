@@ -23,10 +23,12 @@ force=0
 [[ ${1:-} == "--force" ]] && force=1
 
 log() { printf '[setup_lmcache %s] %s\n' "$(date +%H:%M:%S)" "$*" >&2; }
+# shellcheck source=lib/wheel_venv.sh
+source "$root/scripts/lib/wheel_venv.sh"
 
 stamp_text() {
   echo "lmcache==$LMCACHE_VERSION torch==$TORCH_VERSION"
-  sha256sum <"$0"
+  cat "$0" $(lib_files) | sha256sum
 }
 
 if [[ $force == 0 && -f $stamp ]] && [[ "$(cat "$stamp")" == "$(stamp_text)" ]] \
@@ -35,64 +37,24 @@ if [[ $force == 0 && -f $stamp ]] && [[ "$(cat "$stamp")" == "$(stamp_text)" ]] 
   exit 0
 fi
 
-py=${PYTHON:-$(command -v python3.11 || command -v python3)}
-if [[ ! -x $venv/bin/python ]]; then
-  log "creating $venv with $py"
-  "$py" -m venv "$venv"
-fi
-pip_() {  # pip, without the noise of this machine's missing extra-index entries
-  "$venv/bin/python" -m pip --disable-pip-version-check "$@" 2> >(grep -v "is ignored: it is neither" >&2)
-}
+venv_create
 rm -f "$stamp"
 
 log "1/4 torch==$TORCH_VERSION (CPU wheel)"
 pip_ install -q "torch==$TORCH_VERSION"
 
-wheel_dir=$venv/.wheels
-mkdir -p "$wheel_dir"
-wheel=$(ls "$wheel_dir"/lmcache-"$LMCACHE_VERSION"-*.whl 2>/dev/null | head -n1 || true)
-if [[ -z $wheel ]]; then
-  log "2/4 downloading lmcache==$LMCACHE_VERSION (no deps)"
-  pip_ download -q --no-deps "lmcache==$LMCACHE_VERSION" -d "$wheel_dir"
-  wheel=$(ls "$wheel_dir"/lmcache-"$LMCACHE_VERSION"-*.whl | head -n1)
-else
-  log "2/4 using cached $(basename "$wheel")"
-fi
+log "2/4 lmcache==$LMCACHE_VERSION wheel"
+wheel=$(fetch_wheel "lmcache==$LMCACHE_VERSION" "lmcache-$LMCACHE_VERSION-*.whl")
 
+# Requires-Dist without the CUDA-only packages, with the pins that worked here
+# (REFERENCE.md 3b) in place of lmcache's own specifiers.
 reqs=$venv/.lmcache-requirements.txt
-"$venv/bin/python" - "$wheel" "$reqs" <<'PY'
-import sys, zipfile
-from pip._vendor.packaging.requirements import Requirement
-wheel, out = sys.argv[1], sys.argv[2]
-skip = {"torch", "cupy-cuda13x", "cuda-python", "nvtx", "cufile-python"}
-# pins that worked here (REFERENCE.md 3b): replace lmcache's own specifier for these names
-pins = {
-    "numpy": "numpy<=2.2.6",
-    "protobuf": "protobuf<7,>=6.31.1",
-    "prometheus-client": "prometheus_client<=0.24.1",
-    "grpcio-observability": "grpcio-observability==1.78.0",
-    "opentelemetry-api": "opentelemetry-api<=1.40.0",
-    "opentelemetry-exporter-prometheus": "opentelemetry-exporter-prometheus<=0.61b0",
-}
-with zipfile.ZipFile(wheel) as zf:
-    meta = next(n for n in zf.namelist() if n.endswith(".dist-info/METADATA"))
-    text = zf.read(meta).decode()
-kept = []
-for line in text.splitlines():
-    if not line.startswith("Requires-Dist:"):
-        continue
-    req = Requirement(line.split(":", 1)[1].strip())
-    name = req.name.lower().replace("_", "-")
-    if name in skip:
-        continue
-    if req.marker is not None and not req.marker.evaluate({"extra": ""}):
-        continue
-    req.marker = None
-    kept.append(pins.pop(name, str(req)))
-kept += pins.values()
-open(out, "w").write("\n".join(kept) + "\n")
-print(f"{len(kept)} requirements kept", file=sys.stderr)
-PY
+wheel_requirements "$wheel" "$reqs" --skip torch cupy-cuda13x cuda-python nvtx cufile-python \
+  --pin "numpy=numpy<=2.2.6" "protobuf=protobuf<7,>=6.31.1" \
+  "prometheus-client=prometheus_client<=0.24.1" \
+  "grpcio-observability=grpcio-observability==1.78.0" \
+  "opentelemetry-api=opentelemetry-api<=1.40.0" \
+  "opentelemetry-exporter-prometheus=opentelemetry-exporter-prometheus<=0.61b0"
 log "3/4 lmcache's dependencies (without the CUDA-only ones)"
 pip_ install -q -r "$reqs" "torch==$TORCH_VERSION"
 

