@@ -31,7 +31,8 @@ def grouped_bars(
     plt = _pyplot()
     if plt is None:
         return None
-    fig, ax = plt.subplots(figsize=(max(6.0, 1.2 * len(groups) * max(1, len(series)) / 2), 4.5))
+    width_in = min(14.0, max(6.0, 0.35 * len(groups) * max(1, len(series))))
+    fig, ax = plt.subplots(figsize=(width_in, 5.0))
     width = 0.8 / max(1, len(series))
     for i, (label, values) in enumerate(series.items()):
         xs = [g + i * width - 0.4 + width / 2 for g in range(len(groups))]
