@@ -55,6 +55,7 @@ def run_benchmark(
     progress = Progress(name)
     ctx = BenchContext(name, quick, out_dir, work_dir, progress, dict(options or {}))
     start = time.monotonic()
+    started = time.strftime("%Y-%m-%d %H:%M:%S %Z")
     progress(f"{ctx.mode} mode; scratch in {work_dir}; results to {out_dir}")
     try:
         report: Report = module.run(ctx)
@@ -63,6 +64,7 @@ def run_benchmark(
             progress(f"kept {work_dir}")
         else:
             shutil.rmtree(work_dir, ignore_errors=True)
+    report.started = started  # the benchmark's start, not the report object's creation
     report.elapsed_s = time.monotonic() - start
     json_path, md_path = report.write(out_dir)
     progress(f"done in {report.elapsed_s:.0f} s: {json_path}, {md_path}")
