@@ -14,7 +14,10 @@ Ownership is two-phase and explicit:
   (or expiry, or session end) unpins. A pinned chunk is never evicted, demoted or freed.
 
 One lock guards the indices; bulk copies to and from lower tiers happen outside it, on
-entries that are pinned or detached from the index for the duration.
+entries that are pinned or detached from the index for the duration. The cache holds the
+protocol; the parts live beside it and share its lock: ``chunk_index`` (the first tier's
+index), ``first_tier`` (slots, eviction, promotion, write-through copies), ``lower`` (the
+lower tiers' indices and moves among them), ``sessions`` (sessions, leases, deadlines).
 """
 
 from __future__ import annotations
@@ -22,13 +25,12 @@ from __future__ import annotations
 import logging
 import secrets
 import threading
-import time
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 from lmcache_svc.chunk_index import ChunkIndex
-from lmcache_svc.errors import InvalidArgument, PayloadTooLarge, SizeMismatch, UnknownNamespace
+from lmcache_svc.errors import PayloadTooLarge, SizeMismatch, UnknownNamespace
+from lmcache_svc.first_tier import FirstTier
 from lmcache_svc.keys import (
     ChunkHash,
     ChunkKey,
@@ -37,7 +39,7 @@ from lmcache_svc.keys import (
     check_namespace_id,
     make_chunk_keys,
 )
-from lmcache_svc.lower import LowerTier, LowerTiers
+from lmcache_svc.lower import LowerTiers
 from lmcache_svc.metrics import Metrics
 from lmcache_svc.policy import (
     CacheSettings,
@@ -48,17 +50,11 @@ from lmcache_svc.policy import (
     StoreStatus,
     TierPolicy,
 )
+from lmcache_svc.sessions import Sessions
 from lmcache_svc.tiers.base import Buffer, SegmentInfo, Slot, SlotTier, Tier
 from lmcache_svc.write_through import WriteThrough
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(slots=True)
-class _Lease:
-    keys: list[ChunkKey]
-    session_id: str | None
-    deadline: float
 
 
 class TieredCache:
@@ -78,14 +74,21 @@ class TieredCache:
         self._lower = LowerTiers(lower, self.metrics)
         self._lock = threading.RLock()
         self._index = ChunkIndex(first.slot_of)
-        self._leases: dict[str, _Lease] = {}
+        self._first_tier = FirstTier(first, self._index, self._lower, self._lock, self.metrics)
         self._namespaces: dict[NamespaceId, Namespace] = {}
-        self._sessions: set[str] = set()
+        self._sessions = Sessions(
+            self._lock,
+            self._index,
+            self.settings,
+            self.metrics,
+            unpin=self._first_tier.unpin,
+            abort=self._abort_keys,
+        )
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._maintenance: threading.Thread | None = None
         self._write_through = WriteThrough(
-            self._copy_through, enabled=self._lower.has_write_through
+            self._first_tier.copy_through, enabled=self._lower.has_write_through
         )
         self.metrics.watch_tiers(lambda: [t.stats() for t in self.tiers])
 
@@ -143,25 +146,14 @@ class TieredCache:
             ) from None
 
     def open_session(self) -> str:
-        session_id = secrets.token_hex(8)
-        with self._lock:
-            self._sessions.add(session_id)
-        return session_id
+        return self._sessions.open_session()
 
     def has_session(self, session_id: str) -> bool:
-        with self._lock:
-            return session_id in self._sessions
+        return self._sessions.has_session(session_id)
 
     def close_session(self, session_id: str) -> None:
         """The client is gone: give back its reservations and leases now."""
-        with self._lock:
-            self._sessions.discard(session_id)
-            lease_ids = [i for i, lease in self._leases.items() if lease.session_id == session_id]
-            owned = [k for k, e in self._index.pending() if e.owner == session_id]
-        for lease_id in lease_ids:
-            if self.release_load(lease_id):
-                self.metrics.expired.labels(what="lease").inc()
-        self.metrics.expired.labels(what="reservation").inc(self._abort_keys(owned))
+        self._sessions.close_session(session_id)
 
     def _keys(self, namespace_id: bytes, chunk_hashes: Sequence[bytes]) -> list[ChunkKey]:
         ns = self.namespace(namespace_id)
@@ -213,7 +205,7 @@ class TieredCache:
     ) -> list[PreparedStore]:
         keys = self._keys(namespace_id, chunk_hashes)
         nbytes = self.namespace(namespace_id).chunk_bytes
-        deadline = time.monotonic() + self._ttl(ttl_s, self.settings.reservation_ttl_s)
+        deadline = self._sessions.deadline(ttl_s, self.settings.reservation_ttl_s)
         out: list[PreparedStore] = []
         for key, h in zip(keys, chunk_hashes):
             status, slot = self._reserve(key, nbytes, session_id, deadline)
@@ -232,23 +224,8 @@ class TieredCache:
                 return "in_progress", None
             if self._lower.local_tier(key) is not None:
                 return "already_stored", None
-        slot = self._allocate(key, nbytes, owner, deadline)
+        slot = self._first_tier.allocate(key, nbytes, owner, deadline)
         return ("reserved", slot) if slot is not None else ("no_space", None)
-
-    def _allocate(
-        self, key: ChunkKey, nbytes: int, owner: str | None, deadline: float
-    ) -> Slot | None:
-        """A not-ready entry for ``key`` with a fresh slot, evicting to make room."""
-        while True:
-            with self._lock:
-                if self._index.busy(key):
-                    return None
-                slot = self._first.allocate(key, nbytes)
-                if slot is not None:
-                    self._index.reserve(key, slot, owner, deadline)
-                    return slot
-            if not self._evict_first(nbytes):
-                return None
 
     def commit_store(
         self, namespace_id: bytes, chunk_hashes: Sequence[bytes], *, session_id: str | None = None
@@ -287,7 +264,7 @@ class TieredCache:
             for key in keys:
                 entry = self._index.entry(key)
                 if entry is not None and not entry.ready and entry.pins == 0:
-                    self._free(key)
+                    self._first_tier.free(key)
                     num += 1
         self._update_pending()
         return num
@@ -324,6 +301,8 @@ class TieredCache:
         """Pin the longest available prefix in the first tier, promoting from lower tiers."""
         keys = self._keys(namespace_id, chunk_hashes)
         nbytes = self.namespace(namespace_id).chunk_bytes
+        # Checked before anything is pinned: a bad ttl must not leave pins behind.
+        deadline = self._sessions.deadline(ttl_s, self.settings.lease_ttl_s)
         pinned: list[ChunkKey] = []
         sources: list[str] = []
         with self._lock:
@@ -335,80 +314,20 @@ class TieredCache:
                 pinned.append(key)
                 sources.append(self._first.name)
         if len(pinned) < len(keys):
-            promoted, promoted_from = self._promote(keys[len(pinned) :], nbytes)
+            promoted, promoted_from = self._first_tier.promote(keys[len(pinned) :], nbytes)
             pinned += promoted
             sources += promoted_from
         if not pinned:
             return LeasedSlots(None)
-        deadline = time.monotonic() + self._ttl(ttl_s, self.settings.lease_ttl_s)
-        lease_id = secrets.token_hex(12)
         with self._lock:
-            self._leases[lease_id] = _Lease(pinned, session_id, deadline)
+            lease_id = self._sessions.grant(pinned, session_id, deadline)
             slots = [self._index.slot_of(k) for k in pinned]
-            self.metrics.active_leases.set(len(self._leases))
         for slot, name in zip(slots, sources):
             self.metrics.bytes_read.labels(tier=name).inc(slot.length)
         return LeasedSlots(lease_id, slots, sources)
 
-    def _promote(self, keys: list[ChunkKey], nbytes: int) -> tuple[list[ChunkKey], list[str]]:
-        """Copy a contiguous run of chunks up from lower tiers; returns the pinned prefix."""
-        with self._lock:
-            num = next(
-                (i for i, k in enumerate(keys) if self._index.busy(k)),
-                len(keys),
-            )
-        reserved: list[tuple[ChunkKey, LowerTier, memoryview]] = []
-        for key, source in zip(keys, self._lower.sources(keys[:num])):
-            slot = self._allocate(key, nbytes, owner="promotion", deadline=float("inf"))
-            if slot is None:
-                break
-            reserved.append((key, source, self._first.view(slot)))
-        try:
-            ok = self._lower.read_up(reserved)
-        except BaseException:
-            with self._lock:
-                for key, _, _ in reserved:
-                    self._free(key)
-            raise
-        pinned: list[ChunkKey] = []
-        sources: list[str] = []
-        contiguous = True
-        with self._lock:
-            for (key, source, _), good in zip(reserved, ok):
-                contiguous = contiguous and good
-                if not good:
-                    self._free(key)
-                    continue
-                entry = self._index.entry(key)
-                if entry is None:
-                    raise RuntimeError(f"promoted chunk {key.hex()} lost its reservation")
-                if contiguous:  # later chunks stay promoted, but only a prefix is leased
-                    entry.pins += 1
-                    pinned.append(key)
-                    sources.append(source.tier.name)
-                self._index.mark_ready(key, entry)
-                self.metrics.promotions.labels(tier=self._first.name).inc()
-        return pinned, sources
-
     def release_load(self, lease_id: str) -> bool:
-        with self._lock:
-            lease = self._leases.pop(lease_id, None)
-            if lease is None:
-                return False
-            for key in lease.keys:
-                self._unpin(key)
-            self.metrics.active_leases.set(len(self._leases))
-        return True
-
-    def _unpin(self, key: ChunkKey) -> None:
-        entry = self._index.entry(key)
-        if entry is None or entry.pins <= 0:
-            raise RuntimeError(f"unpin of chunk {key.hex()} that is not pinned")
-        entry.pins -= 1
-        if entry.pins == 0 and entry.doomed:
-            self._free(key)
-        else:
-            self._index.settle(key, entry)
+        return self._sessions.release(lease_id)
 
     def get(self, namespace_id: bytes, chunk_hash: bytes) -> tuple[bytes, str] | None:
         """One chunk's bytes and the tier it was found in, or None."""
@@ -442,7 +361,7 @@ class TieredCache:
                     if entry is not None and entry.pins:
                         entry.doomed = True
                     else:
-                        self._free(key)
+                        self._first_tier.free(key)
             num += self._lower.delete(key) or found
         return num
 
@@ -454,27 +373,11 @@ class TieredCache:
         if first.used_bytes <= self.settings.high_watermark * first.capacity_bytes:
             return 0
         target = first.used_bytes - int(self.settings.low_watermark * first.capacity_bytes)
-        return self._evict_first(target)
+        return self._first_tier.evict(target)
 
     def _wake_if_above_watermark(self) -> None:
         if self._first.used_bytes > self.settings.high_watermark * self._first.capacity_bytes:
             self._wake.set()
-
-    def _evict_first(self, nbytes: int) -> int:
-        """Evict least recently used unpinned chunks worth ``nbytes``; returns how many."""
-        with self._lock:
-            victims = self._index.least_recent_at_rest(nbytes)
-            for key, _ in victims:
-                self._index.remove(key)
-                self._index.detached.add(key)
-        for key, slot in victims:
-            self._lower.demote(key, self._first.view(slot))
-        with self._lock:
-            for key, _ in victims:
-                self._index.detached.discard(key)
-                self._first.delete(key)
-        self.metrics.evictions.labels(tier=self._first.name).inc(len(victims))
-        return len(victims)
 
     # -- write-through ---------------------------------------------------------------------
 
@@ -482,50 +385,13 @@ class TieredCache:
         """Wait until every queued write-through copy is done; False on timeout."""
         return self._write_through.flush(timeout_s)
 
-    def _copy_through(self, keys: list[ChunkKey]) -> None:
-        """Copy committed chunks to the write-through tiers (runs on the background thread)."""
-        with self._lock:
-            pinned = [k for k in keys if self._index.readable(k)]
-            for key in pinned:
-                self._index.pin(key)
-            slots = [self._index.slot_of(k) for k in pinned]
-        try:
-            self._lower.copy_through([(k, self._first.view(s)) for k, s in zip(pinned, slots)])
-        finally:
-            with self._lock:
-                for key in pinned:
-                    self._unpin(key)
-
     # -- expiry ----------------------------------------------------------------------------
 
     def reap_expired(self, now: float | None = None) -> int:
         """Release leases and reservations past their deadline; returns how many."""
-        now = time.monotonic() if now is None else now
-        with self._lock:
-            lease_ids = [i for i, lease in self._leases.items() if lease.deadline <= now]
-            stale = [k for k, e in self._index.pending() if e.pins == 0 and e.deadline <= now]
-        for lease_id in lease_ids:
-            self.release_load(lease_id)
-        num_stale = self._abort_keys(stale)
-        self.metrics.expired.labels(what="lease").inc(len(lease_ids))
-        self.metrics.expired.labels(what="reservation").inc(num_stale)
-        return len(lease_ids) + num_stale
+        return self._sessions.reap_expired(now)
 
     # -- helpers ---------------------------------------------------------------------------
-
-    def _free(self, key: ChunkKey) -> None:
-        """Drop a first-tier entry and its slot (caller holds the lock)."""
-        self._index.remove(key)
-        self._first.delete(key)
-
-    def _ttl(self, ttl_s: float | None, default: float) -> float:
-        if ttl_s is None or ttl_s == 0:
-            return default
-        if not 0 < ttl_s <= self.settings.max_lease_ttl_s:
-            raise InvalidArgument(
-                f"ttl must be in (0, {self.settings.max_lease_ttl_s}] seconds, got {ttl_s}"
-            )
-        return ttl_s
 
     def _update_pending(self) -> None:
         self.metrics.pending_stores.set(self.num_pending_stores())
@@ -536,7 +402,7 @@ class TieredCache:
 
     def stats(self) -> CacheStats:
         with self._lock:
-            num_leases, num_ns = len(self._leases), len(self._namespaces)
+            num_leases, num_ns = self._sessions.num_leases, len(self._namespaces)
         return CacheStats(
             tiers=[t.stats() for t in self.tiers],
             active_leases=num_leases,

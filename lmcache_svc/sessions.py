@@ -1,0 +1,129 @@
+"""Sessions and what they hold: load leases, store reservations, and their deadlines.
+
+A session is a client's stream; when it ends, everything it holds is given back at once.
+A lease pins a run of chunks for a reader until it is released, its deadline passes or its
+session ends. A reservation (a not-ready entry in the chunk index, owned by a session) is
+given back by its deadline or its session's end; aborting one is the cache's (the store
+side), passed in as ``abort``, as is ``unpin`` (the first tier's).
+
+Locking: every method takes the cache's lock (shared, reentrant), exactly where the cache
+took it before this module was split out; ``unpin`` is called with it held, ``abort`` without.
+"""
+
+from __future__ import annotations
+
+import secrets
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from lmcache_svc.chunk_index import ChunkIndex
+from lmcache_svc.errors import InvalidArgument
+from lmcache_svc.keys import ChunkKey
+from lmcache_svc.metrics import Metrics
+from lmcache_svc.policy import CacheSettings
+
+
+@dataclass(slots=True)
+class Lease:
+    keys: list[ChunkKey]
+    session_id: str | None
+    deadline: float
+
+
+class Sessions:
+    def __init__(
+        self,
+        lock: threading.RLock,
+        index: ChunkIndex,
+        settings: CacheSettings,
+        metrics: Metrics,
+        *,
+        unpin: Callable[[ChunkKey], None],
+        abort: Callable[[Sequence[ChunkKey]], int],
+    ) -> None:
+        self._lock = lock
+        self._index = index
+        self._settings = settings
+        self._metrics = metrics
+        self._unpin = unpin
+        self._abort = abort
+        self._leases: dict[str, Lease] = {}
+        self._sessions: set[str] = set()
+
+    # -- sessions --------------------------------------------------------------------------
+
+    def open_session(self) -> str:
+        session_id = secrets.token_hex(8)
+        with self._lock:
+            self._sessions.add(session_id)
+        return session_id
+
+    def has_session(self, session_id: str) -> bool:
+        with self._lock:
+            return session_id in self._sessions
+
+    def close_session(self, session_id: str) -> None:
+        """The client is gone: give back its reservations and leases now."""
+        with self._lock:
+            self._sessions.discard(session_id)
+            lease_ids = [i for i, lease in self._leases.items() if lease.session_id == session_id]
+            owned = [k for k, e in self._index.pending() if e.owner == session_id]
+        for lease_id in lease_ids:
+            if self.release(lease_id):
+                self._metrics.expired.labels(what="lease").inc()
+        self._metrics.expired.labels(what="reservation").inc(self._abort(owned))
+
+    # -- leases ----------------------------------------------------------------------------
+
+    def grant(self, keys: list[ChunkKey], session_id: str | None, deadline: float) -> str:
+        """A new lease on ``keys`` (already pinned); returns its id."""
+        lease_id = secrets.token_hex(12)
+        with self._lock:
+            self._leases[lease_id] = Lease(keys, session_id, deadline)
+            self._metrics.active_leases.set(len(self._leases))
+        return lease_id
+
+    def release(self, lease_id: str) -> bool:
+        with self._lock:
+            lease = self._leases.pop(lease_id, None)
+            if lease is None:
+                return False
+            for key in lease.keys:
+                self._unpin(key)
+            self._metrics.active_leases.set(len(self._leases))
+        return True
+
+    @property
+    def num_leases(self) -> int:
+        with self._lock:
+            return len(self._leases)
+
+    # -- deadlines -------------------------------------------------------------------------
+
+    def deadline(self, ttl_s: float | None, default: float) -> float:
+        """Monotonic deadline for a lease or reservation (``ttl_s`` None or 0: ``default``)."""
+        return time.monotonic() + self._ttl(ttl_s, default)
+
+    def _ttl(self, ttl_s: float | None, default: float) -> float:
+        if ttl_s is None or ttl_s == 0:
+            return default
+        if not 0 < ttl_s <= self._settings.max_lease_ttl_s:
+            raise InvalidArgument(
+                f"ttl must be in (0, {self._settings.max_lease_ttl_s}] seconds, got {ttl_s}"
+            )
+        return ttl_s
+
+    def reap_expired(self, now: float | None = None) -> int:
+        """Release leases and reservations past their deadline; returns how many."""
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            lease_ids = [i for i, lease in self._leases.items() if lease.deadline <= now]
+            stale = [k for k, e in self._index.pending() if e.pins == 0 and e.deadline <= now]
+        for lease_id in lease_ids:
+            self.release(lease_id)
+        num_stale = self._abort(stale)
+        self._metrics.expired.labels(what="lease").inc(len(lease_ids))
+        self._metrics.expired.labels(what="reservation").inc(num_stale)
+        return len(lease_ids) + num_stale
