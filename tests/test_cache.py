@@ -241,6 +241,17 @@ def test_bad_input_is_rejected_with_clear_errors(cache_factory) -> None:
     assert cache.stats().pending_stores == 0
 
 
+def test_bad_lease_ttl_leaves_no_pin_behind(cache_factory) -> None:
+    cache = cache_factory(2)
+    put(cache, "a")
+    put(cache, "b")
+    with pytest.raises(InvalidArgument, match="ttl"):
+        cache.prepare_load(NS, [make_hash("a"), make_hash("b")], ttl_s=-1)
+    assert cache.stats().active_leases == 0
+    put(cache, "c")  # a full first tier: one of a and b must be evictable to make room
+    assert cache.lookup(NS, [make_hash("c")]).num_hit_chunks == 1
+
+
 def test_namespaces_isolate_chunks(cache_factory) -> None:
     cache = cache_factory(4)
     other = cache.register_namespace(make_namespace("tenant-b")).namespace_id
