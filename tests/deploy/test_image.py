@@ -13,6 +13,7 @@ from __future__ import annotations
 import fnmatch
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -124,7 +125,13 @@ def test_install_commands_are_the_readmes() -> None:
     cpu = " ".join(DOCKERFILE.stage("vllm-cpu").runs)
     assert "bash scripts/setup_vllm.sh" in cpu  # the script CI runs for .venv-vllm
     script = (REPO / "scripts" / "setup_vllm.sh").read_text()
-    assert "${VENV:-" in script and "${PYTHON:-" in script, "setup_vllm.sh options renamed?"
+    sourced = re.findall(r'^source "\$root/(scripts/[^"]+)"', script, re.MULTILINE)
+    assert sourced, "setup_vllm.sh no longer sources its shared steps?"
+    copied = [src for sources, _, _ in DOCKERFILE.stage("vllm-cpu").copies for src in sources]
+    for path in sourced:  # the image must hold what the script sources
+        assert any(path == c or path.startswith(c + "/") for c in copied), path
+    steps = script + "".join((REPO / path).read_text() for path in sourced)
+    assert "${VENV:-" in steps and "${PYTHON:-" in steps, "setup_vllm.sh options renamed?"
     gpu = " ".join(DOCKERFILE.stage("vllm").runs)
     assert "/tmp/lmcache-svc /tmp/lmcache-svc/connectors/vllm" in gpu
 
