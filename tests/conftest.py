@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.redis_procs import (
+from lmcache_svc.bench.redis_procs import (
     RedisClusterProcs,
     RedisProc,
     redis_server_path,

@@ -35,6 +35,7 @@ from pathlib import Path
 import numpy as np
 import redis
 
+from lmcache_svc.bench.redis_procs import RedisProc, start_redis
 from lmcache_svc.bench.report import Progress
 from lmcache_svc.bench.stats import gbps
 from lmcache_svc.keys import ChunkKey
@@ -219,66 +220,27 @@ PhaseOf = Callable[..., Phase]
 
 
 class RedisServer:
-    """A throwaway redis-server on a free loopback port that persists nothing."""
+    """A throwaway redis-server (``redis_procs.start_redis``) with a client and CPU counters."""
 
-    def __init__(self, process: subprocess.Popen[bytes], port: int, log: Path) -> None:
-        self.process, self.port, self.log = process, port, log
-        self.client = redis.Redis(host="127.0.0.1", port=port, socket_timeout=60)
+    def __init__(self, proc: RedisProc) -> None:
+        self.proc = proc
+        self.port = proc.port
+        self.client = redis.Redis(host="127.0.0.1", port=proc.port, socket_timeout=60)
 
     @property
     def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
+        return self.proc.url
 
     @classmethod
-    def start(cls, work_dir: Path, attempts: int = 3) -> RedisServer:
-        for attempt in range(attempts):  # a free port may be taken before the server binds it
-            port = _free_port()
-            log = work_dir / f"redis-{port}.log"
-            args = [
-                "redis-server",
-                "--port",
-                str(port),
-                "--bind",
-                "127.0.0.1",
-                "--save",
-                "",
-                "--appendonly",
-                "no",
-                "--dir",
-                str(work_dir),
-                "--logfile",
-                str(log),
-            ]
-            server = cls(subprocess.Popen(args, stdin=subprocess.DEVNULL), port, log)
-            try:
-                server._wait_ready(time.monotonic() + 10)
-                return server
-            except BaseException:
-                server.stop()
-                if attempt == attempts - 1:
-                    raise
-        raise AssertionError("unreachable")
-
-    def _wait_ready(self, deadline: float) -> None:
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                tail = self.log.read_text(errors="replace")[-1000:] if self.log.exists() else ""
-                raise RuntimeError(f"redis-server on port {self.port} exited: {tail}")
-            try:
-                if self.client.ping():
-                    return
-            except redis.ConnectionError:
-                time.sleep(0.05)
-        raise RuntimeError(f"redis-server on port {self.port} did not answer PING in 10 s")
+    def start(cls, work_dir: Path) -> RedisServer:
+        return cls(start_redis(work_dir))
 
     def stop(self) -> None:
         self.client.close()
-        if self.process.poll() is None:
-            self.process.kill()
-        self.process.wait(timeout=10)
+        self.proc.stop()
 
     def cpu_seconds(self) -> float:
-        fields = Path(f"/proc/{self.process.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        fields = Path(f"/proc/{self.proc.process.pid}/stat").read_text().rsplit(")", 1)[1].split()
         return (int(fields[11]) + int(fields[12])) / _CLK_TCK  # utime, stime
 
     @contextmanager
@@ -323,14 +285,6 @@ def _redis_benchmark(
     raise RuntimeError(
         f"redis-benchmark {shown} gave no rate: {done.stdout[-500:]}{done.stderr[-500:]}"
     )
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def _aligned(nbytes: int, *, fill: bool) -> mmap.mmap:

@@ -20,8 +20,8 @@ from typing import Any
 
 import yaml
 
+from lmcache_svc.bench.redis_procs import free_port
 from tests.deploy.manifests import REPO, VLLM_PYTHON
-from tests.redis_procs import free_port
 
 PROMETHEUS = "prometheus"
 REDIS_EXPORTER = "prometheus-redis-exporter"  # Debian's name for oliver006/redis_exporter

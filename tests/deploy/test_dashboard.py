@@ -29,12 +29,12 @@ import httpx
 import pytest
 
 from lmcache_svc.bench.procs import ServerProc, start_server
+from lmcache_svc.bench.redis_procs import RedisProc, send_command
 from lmcache_svc.client import CacheClient
 from lmcache_svc.keys import KVLayout, Namespace, chunk_hashes
 from tests.deploy import dashboard as dash
 from tests.deploy import stack
 from tests.deploy.manifests import REPO
-from tests.redis_procs import RedisProc, send_command
 
 METRICS_DOC = REPO / "docs" / "metrics.md"
 DEPLOY_DOC = REPO / "docs" / "deploy.md"

@@ -14,10 +14,10 @@ import pytest
 import redis
 import xxhash
 
+from lmcache_svc.bench.redis_procs import RedisClusterProcs, RedisProc
 from lmcache_svc.errors import ConfigError, Corrupted, InvalidArgument, TierError
 from lmcache_svc.keys import ChunkKey
 from lmcache_svc.tiers.redis import HEADER, RedisTier
-from tests.redis_procs import RedisClusterProcs, RedisProc
 
 KiB = 1 << 10
 MiB = 1 << 20
