@@ -25,7 +25,6 @@ import json
 import mmap
 import os
 import signal
-import socket
 import subprocess
 import time
 import urllib.request
@@ -33,6 +32,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from lmcache_svc.bench.procs import free_port
 
 LMCACHE_VERSION = "0.5.6"
 SHAPE_SPEC = "(2,512,16,2,128):float16:32"
@@ -125,19 +126,13 @@ class PeerRun:
             raise PeerUnavailable(f"unexpected `lmcache bench server` JSON ({e!r})") from None
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 class LMCacheServer:
     """``lmcache server`` on free loopback ports with a pre-allocated shared-memory pool."""
 
     def __init__(self, venv: Path, work_dir: Path, l1_gb: float, *, threads: int = 1) -> None:
         self.venv = venv
         self.env = {**os.environ, **_ENV, "OMP_NUM_THREADS": str(threads)}
-        self.port, self.http_port = _free_port(), _free_port()
+        self.port, self.http_port = free_port(), free_port()
         self.shm_name = f"lmcsvcbench{os.getpid()}x{time.monotonic_ns() % 10**6}"
         self.log_path = work_dir / "lmcache-server.log"
         cmd = [

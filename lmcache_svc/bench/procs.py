@@ -6,6 +6,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -13,6 +14,13 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+
+def free_port() -> int:
+    """A loopback port that was free a moment ago (bound to port 0, then closed)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
 
 
 @dataclass

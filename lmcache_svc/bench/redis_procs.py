@@ -15,6 +15,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from lmcache_svc.bench.procs import free_port
+
 REDIS_SERVER = "redis-server"
 REDIS_CLI = "redis-cli"
 START_TIMEOUT_S = 10.0
@@ -26,13 +28,6 @@ MAX_CLUSTER_PORT = 65535 - CLUSTER_BUS_OFFSET
 def redis_server_path() -> str | None:
     """Absolute path of ``redis-server`` on PATH, or ``None``."""
     return shutil.which(REDIS_SERVER)
-
-
-def free_port() -> int:
-    """A port that was free a moment ago (bound to port 0, then closed)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def free_cluster_port() -> int:
