@@ -33,6 +33,15 @@ def test_params_reject_bad_input(tmp_path: Path) -> None:
         params(_ctx(tmp_path, model="huge"))
 
 
+def test_missing_vllm_venv_is_named(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from lmcache_svc.bench import vllm_common
+
+    monkeypatch.setattr(vllm_common, "VLLM_PYTHON", tmp_path / "no-venv" / "bin" / "python")
+    for name in ("ttft", "overhead"):
+        with pytest.raises(RuntimeError, match="no-venv/bin/python is missing: run scripts/setup"):
+            run_benchmark(name, quick=True, out_dir=tmp_path)
+
+
 def test_workload_queries_differ_and_share_their_context(tmp_path: Path) -> None:
     p = params(_ctx(tmp_path, contexts="583,2773", queries="167", num_queries="3"))
     workload = make_workload(p)
