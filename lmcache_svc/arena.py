@@ -36,7 +36,6 @@ import os
 import re
 import secrets
 import threading
-import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Literal
 
@@ -56,6 +55,9 @@ HEADER_BYTES = 4096
 DEFAULT_SLAB_BYTES = 64 << 20
 PREFAULT_RANGE_BYTES = 64 << 20
 MADV_POPULATE_WRITE: int = getattr(mmap, "MADV_POPULATE_WRITE", 23)
+CREATING_PREFIX = ".lmcache-svc-creating-"
+"""Hidden name of a segment file between its creation and its locking (never a segment name:
+those may not start with '.')."""
 
 Prefault = Literal["off", "background", "sync"]
 
@@ -322,15 +324,29 @@ def _create_segment(name: str, size: int, mode: int) -> tuple[mmap.mmap, int]:
 
 
 def _open_new(path: str, mode: int) -> int:
-    """Create the segment file and lock it for the server's lifetime; an existing file
-    that no live server holds (its server was killed) is removed first."""
+    """Create the segment file already locked for the server's lifetime; an existing file
+    that no live server holds (its server was killed) is removed first.
+
+    The file is created and locked under a hidden name that the orphan clean-up ignores
+    (``CREATING_PREFIX``), then linked into place (``link`` never replaces an existing name):
+    a starting server's clean-up can never find it unlocked under its real name. Only a
+    server killed in between leaves the hidden, still empty file behind.
+    """
+    creating = os.path.join(SHM_DIR, f"{CREATING_PREFIX}{os.getpid()}-{secrets.token_hex(8)}")
+    fd = os.open(creating, os.O_CREAT | os.O_EXCL | os.O_RDWR, mode)
     try:
-        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, mode)
-    except FileExistsError:
-        if not _remove_if_orphan(path):
-            raise
-        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, mode)
-    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # nobody else knows this name yet
+        try:
+            os.link(creating, path)
+        except FileExistsError:
+            if not _remove_if_orphan(path):
+                raise
+            os.link(creating, path)
+    except BaseException:
+        os.close(fd)
+        raise
+    finally:
+        os.unlink(creating)
     return fd
 
 
@@ -345,23 +361,28 @@ def _remove_if_orphan(path: str) -> bool:
     except OSError:
         return False  # a live server holds it
     else:
-        os.unlink(path)
+        try:
+            if os.stat(path).st_ino != os.fstat(fd).st_ino:
+                return False  # replaced meanwhile: the new file is not the one we judged
+            os.unlink(path)
+        except FileNotFoundError:
+            return False  # another starting server removed it first
         log.warning("removed %s, left by a server that was killed", path)
         return True
     finally:
         os.close(fd)
 
 
-def remove_orphan_segments(prefix: str = "lmcache-svc-", min_age_s: float = 10.0) -> list[str]:
+def remove_orphan_segments(prefix: str = "lmcache-svc-") -> list[str]:
     """Remove this user's segments named ``prefix*`` whose server is gone (not locked).
 
-    A server holds an exclusive ``flock`` on its segment for its lifetime, so the lock is
-    free exactly when the server died without cleaning up (SIGKILL, OOM). The check works
-    across PID namespaces (containers sharing /dev/shm). Segments younger than
-    ``min_age_s`` are left alone: their server may still be starting.
+    A server holds an exclusive ``flock`` on its segment from before the segment has its
+    name (``_open_new``) for the server's whole lifetime, so the lock is free exactly when
+    the server died without cleaning up (SIGKILL, OOM); the lock alone decides, however
+    recently the segment was created or touched. The check works across PID namespaces
+    (containers sharing /dev/shm).
     """
     removed: list[str] = []
-    now = time.time()
     for entry in os.scandir(SHM_DIR):
         try:
             st = entry.stat(follow_symlinks=False)
@@ -371,7 +392,6 @@ def remove_orphan_segments(prefix: str = "lmcache-svc-", min_age_s: float = 10.0
             not entry.name.startswith(prefix)
             or not entry.is_file(follow_symlinks=False)
             or st.st_uid != os.getuid()
-            or now - st.st_ctime < min_age_s
         ):
             continue
         if _remove_if_orphan(entry.path):

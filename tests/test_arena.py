@@ -10,6 +10,7 @@ import subprocess
 import sys
 import textwrap
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 
@@ -299,7 +300,7 @@ def test_segments_of_killed_servers_are_removed_live_ones_kept() -> None:
     assert proc.returncode == -signal.SIGKILL
     live = Arena.create(1 << 20, slab_bytes=1 << 16, name=prefix + "live", prefault="off")
     try:
-        assert remove_orphan_segments(prefix, min_age_s=0) == [prefix + "dead"]
+        assert remove_orphan_segments(prefix) == [prefix + "dead"]
         assert not os.path.exists(f"/dev/shm/{prefix}dead")
         assert os.path.exists(f"/dev/shm/{prefix}live")
         # a fixed name left by a killed server is taken over; a live one is refused
@@ -310,3 +311,72 @@ def test_segments_of_killed_servers_are_removed_live_ones_kept() -> None:
             Arena.create(1 << 20, slab_bytes=1 << 16, name=prefix + "live", prefault="off")
     finally:
         live.close()
+
+
+def _kill_after_creating(name: str) -> None:
+    """Create a segment in a child process that is then SIGKILLed (no clean-up)."""
+    import signal
+
+    code = (
+        "import os, signal; from lmcache_svc.arena import Arena;"
+        f"a = Arena.create(1 << 20, slab_bytes=1 << 16, name={name!r}, prefault='off');"
+        "a.view(a.allocate(4096))[:] = b'x' * 4096; os.kill(os.getpid(), signal.SIGKILL)"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=60)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+
+
+def test_fresh_orphans_are_removed_at_once() -> None:
+    """Two servers killed in quick succession: their segments are just created and were just
+    written to (fresh ctime), yet no server holds them, so the next clean-up removes both."""
+    from lmcache_svc.arena import remove_orphan_segments
+
+    prefix = f"lmcache-svc-fresh-{os.getpid()}-"
+    _kill_after_creating(prefix + "a")
+    _kill_after_creating(prefix + "b")
+    live = Arena.create(1 << 20, slab_bytes=1 << 16, name=prefix + "live", prefault="off")
+    try:
+        live.view(live.allocate(4096))[:] = b"y" * 4096
+        assert sorted(remove_orphan_segments(prefix)) == [prefix + "a", prefix + "b"]
+        assert sorted(os.listdir(SHM_DIR)).count(prefix + "live") == 1
+        assert not any(n in os.listdir(SHM_DIR) for n in (prefix + "a", prefix + "b"))
+    finally:
+        live.close()
+        for n in ("a", "b"):
+            Path(SHM_DIR, prefix + n).unlink(missing_ok=True)
+
+
+def test_a_segment_being_created_survives_a_concurrent_clean_up(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Another server's start-up clean-up runs at the worst moment: after the new segment's
+    file exists, before its creator locks it. The segment must not be removed."""
+    import fcntl as real_fcntl
+
+    from lmcache_svc import arena as arena_mod
+
+    prefix = f"lmcache-svc-race-{os.getpid()}-"
+    real_flock = real_fcntl.flock
+    removed: list[list[str]] = []
+
+    def flock_after_a_clean_up(fd: int, op: int) -> None:
+        if not removed:  # the creator's own lock: a concurrent clean-up runs first
+            removed.append([])
+            removed[0] = arena_mod.remove_orphan_segments(prefix)
+        real_flock(fd, op)
+
+    monkeypatch.setattr(arena_mod.fcntl, "flock", flock_after_a_clean_up)
+    arena = Arena.create(1 << 20, slab_bytes=1 << 16, name=prefix + "new", prefault="off")
+    monkeypatch.setattr(arena_mod.fcntl, "flock", real_flock)
+    try:
+        assert removed == [[]]
+        path = Path(SHM_DIR, prefix + "new")
+        assert path.exists() and path.stat().st_size == arena.segment_size
+        mapping = ArenaMapping.open(arena.name, arena.segment_size, arena.nonce)
+        assert mapping is not None  # the name still leads to the server's own segment
+        mapping.close()
+        assert arena_mod.remove_orphan_segments(prefix) == []  # locked under its name
+        assert not [n for n in os.listdir(SHM_DIR) if n.startswith(".lmcache-svc-creating-")
+                    and f"-{os.getpid()}-" in n]
+    finally:
+        arena.close()
