@@ -29,7 +29,13 @@ from collections import Counter
 from collections.abc import Sequence
 
 from lmcache_svc.chunk_index import ChunkIndex
-from lmcache_svc.errors import PayloadTooLarge, SizeMismatch, UnknownNamespace
+from lmcache_svc.errors import (
+    InvalidArgument,
+    PayloadTooLarge,
+    SizeMismatch,
+    TooManyNamespaces,
+    UnknownNamespace,
+)
 from lmcache_svc.first_tier import FirstTier
 from lmcache_svc.keys import (
     ChunkHash,
@@ -133,8 +139,24 @@ class TieredCache:
     # -- namespaces and sessions ---------------------------------------------------------
 
     def register_namespace(self, namespace: Namespace) -> Namespace:
+        """Register (or find again) a namespace; ``TooManyNamespaces`` past the limit."""
+        limit = self.settings.max_chunk_bytes
+        if namespace.chunk_bytes > limit:
+            raise InvalidArgument(
+                f"namespace chunk_bytes is {namespace.chunk_bytes}, over this server's "
+                f"max_body_bytes ({limit}): use a smaller chunk_size"
+            )
         with self._lock:
-            return self._namespaces.setdefault(namespace.namespace_id, namespace)
+            known = self._namespaces.get(namespace.namespace_id)
+            if known is not None:
+                return known
+            if len(self._namespaces) >= self.settings.max_namespaces:
+                raise TooManyNamespaces(
+                    f"this server holds {len(self._namespaces)} namespaces, its limit "
+                    "(cache.max_namespaces); registered ones keep working"
+                )
+            self._namespaces[namespace.namespace_id] = namespace
+            return namespace
 
     def namespace(self, namespace_id: bytes) -> Namespace:
         ns_id = check_namespace_id(namespace_id)
@@ -155,13 +177,18 @@ class TieredCache:
         """The client is gone: give back its reservations and leases now."""
         self._sessions.close_session(session_id)
 
-    def _keys(self, namespace_id: bytes, chunk_hashes: Sequence[bytes]) -> list[ChunkKey]:
-        ns = self.namespace(namespace_id)
-        if len(chunk_hashes) > self.settings.max_chunks_per_request:
+    def check_batch(self, namespace_id: bytes, num_chunks: int) -> Namespace:
+        """The registered namespace of a request for ``num_chunks`` chunks, once that count
+        is within ``max_chunks_per_request`` (``PayloadTooLarge`` otherwise)."""
+        if num_chunks > self.settings.max_chunks_per_request:
             raise PayloadTooLarge(
-                f"{len(chunk_hashes)} chunks in one request; the limit is "
+                f"{num_chunks} chunks in one request; the limit is "
                 f"{self.settings.max_chunks_per_request}"
             )
+        return self.namespace(namespace_id)
+
+    def _keys(self, namespace_id: bytes, chunk_hashes: Sequence[bytes]) -> list[ChunkKey]:
+        ns = self.check_batch(namespace_id, len(chunk_hashes))
         return make_chunk_keys(ns.namespace_id, chunk_hashes)
 
     # -- lookup ----------------------------------------------------------------------------

@@ -123,6 +123,9 @@ class CacheConfig(_Section):
     """Default lifetime of a store reservation before it is reclaimed."""
     max_chunks_per_request: int = Field(8192, ge=1)
     """Most chunk hashes accepted in one request."""
+    max_namespaces: int = Field(4096, ge=1)
+    """Most namespaces registered at once; one more is refused (RESOURCE_EXHAUSTED / 507)
+    until the server restarts. Registering an existing namespace again always works."""
 
     @model_validator(mode="after")
     def _check_watermarks(self) -> CacheConfig:

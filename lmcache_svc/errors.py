@@ -56,6 +56,12 @@ class NoSpace(LMCacheSvcError):
     kind = "no_space"
 
 
+class TooManyNamespaces(LMCacheSvcError):
+    """The server holds ``cache.max_namespaces`` namespaces already; a new one is refused."""
+
+    kind = "too_many_namespaces"
+
+
 class Unauthenticated(LMCacheSvcError):
     """Missing or wrong credentials."""
 

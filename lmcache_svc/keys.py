@@ -48,6 +48,10 @@ CHUNK_KEY_BYTES = NAMESPACE_ID_BYTES + CHUNK_HASH_BYTES
 _CHUNK_SEED = b"lmcache-svc/chunk/v1\x00"
 _NAMESPACE_SEED = b"lmcache-svc/namespace/v1\x00"
 _MAX_TOKEN_ID = 2**32 - 1
+MAX_FIELD_VALUE = 2**32 - 1
+"""Largest value of a namespace's integer fields: they travel as protobuf ``uint32``."""
+MAX_CHUNK_BYTES = 4 << 30
+"""Largest ``chunk_bytes`` of any namespace (a server may allow less: ``max_body_bytes``)."""
 _HEX_RE = re.compile(r"^[0-9a-f]*$")
 
 DTYPE_SIZES: dict[str, int] = {
@@ -85,8 +89,8 @@ class KVLayout:
                 f"unknown dtype {self.dtype!r}; expected one of {sorted(DTYPE_SIZES)}"
             )
         for name in ("num_layers", "num_kv_heads", "head_size", "block_size"):
-            _require_positive_int(name, getattr(self, name))
-        if self.kv_planes not in (1, 2):
+            _require_field_int(f"layout.{name}", getattr(self, name), 1)
+        if type(self.kv_planes) is not int or self.kv_planes not in (1, 2):
             raise InvalidArgument(f"kv_planes must be 1 or 2, got {self.kv_planes!r}")
         if not self.page_layout or len(self.page_layout) > 128:
             raise InvalidArgument("page_layout must be a non-empty label of at most 128 chars")
@@ -125,9 +129,10 @@ class Namespace:
         if not isinstance(self.layout, KVLayout):
             raise InvalidArgument("namespace layout must be a KVLayout")
         self.layout.validate()
-        _require_positive_int("chunk_size", self.chunk_size)
-        _require_positive_int("tp_size", self.tp_size)
-        if not isinstance(self.tp_rank, int) or not 0 <= self.tp_rank < self.tp_size:
+        _require_field_int("chunk_size", self.chunk_size, 1)
+        _require_field_int("tp_size", self.tp_size, 1)
+        _require_field_int("tp_rank", self.tp_rank, 0)
+        if self.tp_rank >= self.tp_size:
             raise InvalidArgument(
                 f"tp_rank must be in [0, tp_size={self.tp_size}), got {self.tp_rank!r}"
             )
@@ -135,6 +140,11 @@ class Namespace:
             raise InvalidArgument(
                 f"key_version {self.key_version!r} is not supported; this build speaks "
                 f"version {KEY_FORMAT_VERSION}"
+            )
+        if self.chunk_bytes > MAX_CHUNK_BYTES:
+            raise InvalidArgument(
+                f"chunk_bytes (chunk_size {self.chunk_size} x {self.layout.bytes_per_token} "
+                f"bytes per token) is {self.chunk_bytes}, over the limit of {MAX_CHUNK_BYTES}"
             )
 
     def to_dict(self) -> dict[str, Any]:
@@ -177,9 +187,13 @@ class Namespace:
         return self.chunk_size * self.layout.bytes_per_token
 
 
-def _require_positive_int(name: str, value: object) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise InvalidArgument(f"{name} must be a positive integer, got {value!r}")
+def _require_field_int(name: str, value: object, low: int) -> None:
+    """An integer field in ``[low, MAX_FIELD_VALUE]``, or ``InvalidArgument`` naming it."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < low:
+        what = "a positive integer" if low == 1 else f"an integer >= {low}"
+        raise InvalidArgument(f"{name} must be {what}, got {value!r:.80}")
+    if value > MAX_FIELD_VALUE:
+        raise InvalidArgument(f"{name} must be at most {MAX_FIELD_VALUE}, got {value}")
 
 
 def pack_token_ids(token_ids: Sequence[int] | np.ndarray) -> bytes:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from lmcache_svc.keys import ChunkHash
+from lmcache_svc.keys import MAX_CHUNK_BYTES, ChunkHash
 from lmcache_svc.tiers.base import Slot, TierStats
 
 StoreStatus = Literal["reserved", "already_stored", "no_space", "in_progress"]
@@ -31,6 +31,10 @@ class CacheSettings:
     max_lease_ttl_s: float = 600.0
     reservation_ttl_s: float = 30.0
     max_chunks_per_request: int = 8192
+    max_namespaces: int = 4096
+    """Most namespaces registered at once; registering one more is ``TooManyNamespaces``."""
+    max_chunk_bytes: int = MAX_CHUNK_BYTES
+    """Largest chunk a namespace may have (the server passes its ``max_body_bytes``)."""
     maintenance_interval_s: float = 0.05
 
 

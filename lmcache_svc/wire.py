@@ -28,6 +28,7 @@ _ERRORS_BY_KIND: dict[str, type[errors.LMCacheSvcError]] = {
         errors.NotFound,
         errors.UnknownSession,
         errors.NoSpace,
+        errors.TooManyNamespaces,
         errors.Unauthenticated,
         errors.ConfigError,
         errors.TierError,

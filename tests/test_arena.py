@@ -376,7 +376,10 @@ def test_a_segment_being_created_survives_a_concurrent_clean_up(
         assert mapping is not None  # the name still leads to the server's own segment
         mapping.close()
         assert arena_mod.remove_orphan_segments(prefix) == []  # locked under its name
-        assert not [n for n in os.listdir(SHM_DIR) if n.startswith(".lmcache-svc-creating-")
-                    and f"-{os.getpid()}-" in n]
+        assert not [
+            n
+            for n in os.listdir(SHM_DIR)
+            if n.startswith(".lmcache-svc-creating-") and f"-{os.getpid()}-" in n
+        ]
     finally:
         arena.close()

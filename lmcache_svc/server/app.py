@@ -76,6 +76,8 @@ def build_cache(config: Config) -> TieredCache:
         max_lease_ttl_s=k.max_lease_ttl_s,
         reservation_ttl_s=k.reservation_ttl_s,
         max_chunks_per_request=k.max_chunks_per_request,
+        max_namespaces=k.max_namespaces,
+        max_chunk_bytes=int(config.max_body_bytes),
     )
     return TieredCache(CpuTier(arena), lower, settings=settings, metrics=Metrics())
 

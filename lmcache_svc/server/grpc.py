@@ -28,8 +28,9 @@ from lmcache_svc.errors import (
     UnknownSession,
 )
 from lmcache_svc.keys import check_chunk_hash
+from lmcache_svc.metrics import Metrics
 from lmcache_svc.server.auth import check_bearer
-from lmcache_svc.server.status import grpc_code
+from lmcache_svc.server.status import INTERNAL_KIND, grpc_code
 from lmcache_svc.v1 import cache_pb2 as pb
 from lmcache_svc.v1 import cache_pb2_grpc as pb_grpc
 from lmcache_svc.wire import ERROR_KIND_KEY, PIECE_BYTES, channel_options, namespace_from_pb
@@ -46,8 +47,27 @@ _STORE_STATUS = {
 }
 
 
+async def _abort(
+    context: grpc.aio.ServicerContext, error: Exception, metrics: Metrics, method: str
+) -> None:
+    """End the call with the status that reports ``error`` (counted in the errors metric).
+
+    A project error sends its message and kind. Anything else is a bug: ``INTERNAL`` with a
+    generic message, the traceback only in the server's log (never ``UNKNOWN`` with the
+    exception's text, which may show internals to the client).
+    """
+    if isinstance(error, LMCacheSvcError):
+        kind, message = error.kind, str(error)
+    else:
+        log.error("gRPC %s failed unexpectedly", method, exc_info=error)
+        kind, message = INTERNAL_KIND, f"internal error in {method}; the server log has details"
+    metrics.errors.labels(kind=kind).inc()
+    context.set_trailing_metadata(((ERROR_KIND_KEY, kind),))
+    await context.abort(grpc_code(error), message)
+
+
 def _rpc(method: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
-    """Count and time a unary call; turn project errors into status codes."""
+    """Count and time a unary call; turn errors into status codes (``_abort``)."""
     name = method.__name__
 
     @functools.wraps(method)
@@ -56,11 +76,11 @@ def _rpc(method: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
         code = grpc.StatusCode.OK
         try:
             return await method(self, request, context)
-        except LMCacheSvcError as e:
+        except grpc.aio.AbortError:
+            raise  # the method ended the call itself
+        except Exception as e:
             code = grpc_code(e)
-            self._metrics.errors.labels(kind=e.kind).inc()
-            context.set_trailing_metadata(((ERROR_KIND_KEY, e.kind),))
-            await context.abort(code, str(e))
+            await _abort(context, e, self._metrics, name)
             raise  # unreachable: abort raises
         finally:
             self._metrics.requests.labels(transport="grpc", method=name, code=code.name).inc()
@@ -106,8 +126,15 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
         )
 
     async def OpenSession(self, request: Any, context: Any) -> AsyncIterator[pb.SessionEvent]:
-        session_id = self._cache.open_session()
-        seg = self._cache.segment()
+        try:
+            session_id = self._cache.open_session()
+            seg = self._cache.segment()
+        except Exception as e:
+            self._metrics.requests.labels(
+                transport="grpc", method="OpenSession", code=grpc_code(e).name
+            ).inc()
+            await _abort(context, e, self._metrics, "OpenSession")
+            raise  # unreachable: abort raises
         self._metrics.requests.labels(transport="grpc", method="OpenSession", code="OK").inc()
         try:
             yield pb.SessionEvent(
@@ -227,6 +254,7 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
         start = time.perf_counter()
         code = "OK"
         try:
+            self._cache.check_batch(request.namespace_id, len(request.chunk_hashes))
             keys = [check_chunk_hash(h) for h in request.chunk_hashes]
             for h in keys:
                 found = await self._run(self._cache.get, request.namespace_id, h)
@@ -249,11 +277,11 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
                 )
                 for i in range(0, len(data), PIECE_BYTES):
                     yield pb.ChunkPart(data=data[i : i + PIECE_BYTES])
-        except LMCacheSvcError as e:
+        except grpc.aio.AbortError:
+            raise
+        except Exception as e:
             code = grpc_code(e).name
-            self._metrics.errors.labels(kind=e.kind).inc()
-            context.set_trailing_metadata(((ERROR_KIND_KEY, e.kind),))
-            await context.abort(grpc_code(e), str(e))
+            await _abort(context, e, self._metrics, "Get")
         finally:
             self._metrics.requests.labels(transport="grpc", method="Get", code=code).inc()
             self._metrics.request_latency.labels(transport="grpc", method="Get").observe(

@@ -10,31 +10,38 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
 
-from lmcache_svc.keys import DEFAULT_CHUNK_SIZE, KEY_FORMAT_VERSION, Namespace
+from lmcache_svc.keys import DEFAULT_CHUNK_SIZE, KEY_FORMAT_VERSION, MAX_FIELD_VALUE, Namespace
 
 
 class StrictModel(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+def _bounded(low: int, **options: Any) -> Any:
+    """An integer field's documented range. ``keys.Namespace`` enforces it, so a value out
+    of range is a 400 naming the field (a wrong type stays a 422)."""
+    return Field(json_schema_extra={"minimum": low, "maximum": MAX_FIELD_VALUE}, **options)
+
+
 class KVLayoutModel(StrictModel):
     dtype: StrictStr = Field(examples=["bfloat16"])
-    num_layers: StrictInt
-    num_kv_heads: StrictInt = Field(description="KV heads held by this tensor-parallel rank")
-    head_size: StrictInt
-    block_size: StrictInt
+    num_layers: StrictInt = _bounded(1)
+    num_kv_heads: StrictInt = _bounded(1, description="KV heads held by this tensor-parallel rank")
+    head_size: StrictInt = _bounded(1)
+    block_size: StrictInt = _bounded(1)
     page_layout: StrictStr = Field(examples=["vllm-cpu/NHC"])
     kv_planes: StrictInt = Field(2, description="2 for separate K and V, 1 for MLA")
 
 
 class NamespaceModel(StrictModel):
-    """``Namespace.to_dict()`` form."""
+    """``Namespace.to_dict()`` form. ``chunk_size`` times the layout's bytes per token (the
+    namespace's ``chunk_bytes``) must not exceed the server's ``max_body_bytes``."""
 
     model: StrictStr
     layout: KVLayoutModel
-    chunk_size: StrictInt = DEFAULT_CHUNK_SIZE
-    tp_rank: StrictInt = 0
-    tp_size: StrictInt = 1
+    chunk_size: StrictInt = _bounded(1, default=DEFAULT_CHUNK_SIZE)
+    tp_rank: StrictInt = _bounded(0, default=0)
+    tp_size: StrictInt = _bounded(1, default=1)
     tenant: StrictStr = "default"
     key_version: StrictInt = KEY_FORMAT_VERSION
 

@@ -14,6 +14,8 @@ Choices worth knowing:
 - ``PayloadTooLarge`` is ``INVALID_ARGUMENT`` / 413: the caller must split the request,
   retrying it unchanged will not help (so not ``RESOURCE_EXHAUSTED``).
 - ``NoSpace`` is ``RESOURCE_EXHAUSTED`` / 507: retry later, when leases are released.
+- ``TooManyNamespaces`` is ``RESOURCE_EXHAUSTED`` / 507 too: the server's namespace table
+  is full (``cache.max_namespaces``); already registered namespaces keep working.
 - ``TierError`` (and ``Corrupted``) is ``UNAVAILABLE`` / 503.
 """
 
@@ -29,6 +31,7 @@ from lmcache_svc.errors import (
     PayloadTooLarge,
     SizeMismatch,
     TierError,
+    TooManyNamespaces,
     Unauthenticated,
     UnknownNamespace,
 )
@@ -42,6 +45,7 @@ _TABLE: tuple[tuple[type[LMCacheSvcError], grpc.StatusCode, int], ...] = (
     (InvalidArgument, grpc.StatusCode.INVALID_ARGUMENT, 400),
     (NotFound, grpc.StatusCode.NOT_FOUND, 404),
     (NoSpace, grpc.StatusCode.RESOURCE_EXHAUSTED, 507),
+    (TooManyNamespaces, grpc.StatusCode.RESOURCE_EXHAUSTED, 507),
     (Unauthenticated, grpc.StatusCode.UNAUTHENTICATED, 401),
     (TierError, grpc.StatusCode.UNAVAILABLE, 503),
 )
