@@ -9,6 +9,11 @@ Moves: a chunk evicted from above is *demoted* to the first tier that accepts de
 does not hold it yet; a full tier evicts its own LRU chunk further down first. Reads for
 promotion are batched per tier. Backend failures are logged and counted, and behave as a
 miss: a broken lower tier never fails a request.
+
+The indices follow each batch item by item (``Tier.put_many``/``read_many_into`` report
+every item): a chunk the tier stored is indexed, one it refused is not, one it could not
+read stays indexed unless the tier dropped it (absent, or ``Corrupted``), and one it failed
+to delete goes back into the index. So every chunk a tier counts stays evictable.
 """
 
 from __future__ import annotations
@@ -19,11 +24,11 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from lmcache_svc.errors import TierError
+from lmcache_svc.errors import Corrupted, TierError
 from lmcache_svc.keys import ChunkKey
 from lmcache_svc.metrics import Metrics
 from lmcache_svc.policy import TierPolicy
-from lmcache_svc.tiers.base import Buffer, Tier
+from lmcache_svc.tiers.base import Buffer, Failed, ItemResult, Tier
 
 log = logging.getLogger(__name__)
 
@@ -90,21 +95,18 @@ class LowerTiers:
             mine = [(i, key, out) for i, (key, src, out) in enumerate(items) if src is lt]
             if not mine:
                 continue
-            try:
-                results = lt.tier.read_many_into([(key, out) for _, key, out in mine])
-            except TierError as e:
-                self._failed(lt.tier, e)
-                results = [False] * len(mine)
+            results = lt.tier.read_many_into([(key, out) for _, key, out in mine])
+            self._report(lt.tier, results)
             with self._lock:
-                for (i, key, out), good in zip(mine, results):
-                    ok[i] = good
-                    if good:
+                for (i, key, out), result in zip(mine, results):
+                    ok[i] = result is True
+                    if result is True:
                         self._metrics.bytes_read.labels(tier=lt.tier.name).inc(len(out))
                         if key in lt.index:
                             lt.index.move_to_end(key)
                         elif not lt.tier.shared:
                             lt.index[key] = len(out)
-                    else:
+                    elif _gone(result):
                         lt.index.pop(key, None)
         return ok
 
@@ -128,15 +130,12 @@ class LowerTiers:
                 continue
             with self._lock:
                 todo = [(k, v) for k, v in items if k not in lt.index]
-            try:
-                results = lt.tier.put_many(todo)
-            except TierError as e:
-                self._failed(lt.tier, e)
-                continue
-            for (key, view), stored in zip(todo, results):
-                if stored:
+            results = lt.tier.put_many(todo)
+            self._report(lt.tier, results)
+            for (key, view), result in zip(todo, results):
+                if result is True:
                     self._stored(lt, key, len(view))
-                else:
+                elif not isinstance(result, Failed):  # no room: evict, then try again
                     self._put(position, key, view)
 
     def _put(self, position: int, key: ChunkKey, data: Buffer) -> bool:
@@ -170,25 +169,45 @@ class LowerTiers:
                 data = bytearray(size)
                 if lt.tier.read_into(key, memoryview(data)):
                     self.demote(key, memoryview(data), below=position + 1)
+        except TierError as e:
+            self._failed(lt.tier, e)  # not demoted: it is dropped below
+        try:
             lt.tier.delete(key)
         except TierError as e:
             self._failed(lt.tier, e)
+            self._restore(lt, key, size)  # still held and counted there: evict it later
+            return False
         self._metrics.evictions.labels(tier=lt.tier.name).inc()
         return True
+
+    def _restore(self, lt: LowerTier, key: ChunkKey, size: int) -> None:
+        """Put back the index entry of a chunk the tier failed to delete, least recent."""
+        with self._lock:
+            if key not in lt.index:
+                lt.index[key] = size
+                lt.index.move_to_end(key, last=False)
 
     def delete(self, key: ChunkKey) -> bool:
         """Remove the chunk from every lower tier; True if one of them held it."""
         found = False
         for lt in self._tiers:
             with self._lock:
-                known = lt.index.pop(key, None) is not None
-            if not (known or lt.tier.shared):
+                size = lt.index.pop(key, None)
+            if size is None and not lt.tier.shared:
                 continue
             try:
                 found = lt.tier.delete(key) > 0 or found
             except TierError as e:
                 self._failed(lt.tier, e)
+                if size is not None:
+                    self._restore(lt, key, size)
         return found
+
+    def _report(self, tier: Tier, results: Sequence[ItemResult]) -> None:
+        """Log and count each distinct error of a batch (one for a batch that failed whole)."""
+        errors = {id(r.error): r.error for r in results if isinstance(r, Failed)}
+        for error in errors.values():
+            self._failed(tier, error)
 
     def _failed(self, tier: Tier, error: TierError) -> None:
         log.warning("tier %s failed: %s", tier.name, error)
@@ -198,3 +217,10 @@ class LowerTiers:
     def close(self) -> None:
         for lt in self._tiers:
             lt.tier.close()
+
+
+def _gone(result: ItemResult) -> bool:
+    """Whether a read's result means the tier no longer holds the chunk: absent, or dropped
+    as corrupted. After any other failure the tier still holds (and counts) it, so the index
+    keeps it, to be read again or evicted later."""
+    return result is False or (isinstance(result, Failed) and isinstance(result.error, Corrupted))

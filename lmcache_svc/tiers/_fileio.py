@@ -16,6 +16,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import numpy as np
 
 from lmcache_svc.errors import TierError
+from lmcache_svc.tiers.base import Failed, ItemResult
 
 DIRECT_ALIGN = 4096
 """O_DIRECT alignment of buffer addresses, file offsets and transfer lengths."""
@@ -169,22 +170,22 @@ class IoThreads:
         calls: Sequence[Callable[[], bool] | None],
         *,
         parallel: bool = True,
-    ) -> list[bool]:
-        """Each call's result in order (``None``: ``False``); ``False`` for a call that raised
+    ) -> list[ItemResult]:
+        """Each call's result in order (``None``: ``False``); ``Failed`` for a call that raised
         ``TierError``, which is logged with its key. Any other exception is raised once every
         call has finished. Calls run concurrently unless ``parallel`` is false or only one is
         given."""
         num_calls = sum(call is not None for call in calls)
         pool = self._executor() if parallel and num_calls > 1 else None
         futures = [None if call is None else _start(pool, call) for call in calls]
-        results: list[bool] = []
+        results: list[ItemResult] = []
         error: BaseException | None = None
         for key, future in zip(keys, futures, strict=True):
             try:
                 results.append(future is not None and future.result())
             except TierError as e:
                 self._log.warning("tier %s: %s of %s failed: %s", self._name, what, key.hex(), e)
-                results.append(False)
+                results.append(Failed(e))
             except BaseException as e:
                 error = error or e
                 results.append(False)

@@ -17,12 +17,32 @@ Two kinds:
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
+from lmcache_svc.errors import TierError
 from lmcache_svc.keys import ChunkKey
 
 Buffer = bytes | bytearray | memoryview
+
+
+@dataclass(frozen=True, slots=True)
+class Failed:
+    """One item of a batch that failed with ``error`` (``Corrupted``: the chunk was dropped).
+
+    Falsy, like ``False``, so ``all(results)`` still means "every item done"; callers that
+    must tell a failure from a normal miss or "no room" check ``isinstance(r, Failed)``.
+    """
+
+    error: TierError
+
+    def __bool__(self) -> bool:
+        return False
+
+
+ItemResult = bool | Failed
+"""One item of a batch: ``True`` done; ``False`` absent (read) or no room (put); ``Failed``."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,7 +81,8 @@ class Tier(ABC):
 
     Implementations are thread-safe: the cache calls them from many threads, and bulk I/O
     happens outside the cache's lock. Backend failures raise ``TierError`` (``Corrupted``
-    for bytes that fail their checksum, after dropping them).
+    for bytes that fail their checksum, after dropping them), except in the batch forms,
+    which report them per item (``Failed``) so the caller knows what the tier holds.
     """
 
     name: str
@@ -109,33 +130,42 @@ class Tier(ABC):
         out = bytearray(size)
         return bytes(out) if self.read_into(key, memoryview(out)) else None
 
-    def put_many(self, items: Sequence[tuple[ChunkKey, Buffer]]) -> list[bool]:
-        """Batch form of ``put``, results in input order; media with round trips or spare I/O
-        parallelism override it (Redis pipelines, SSD spreads writes over a few threads).
+    def put_many(self, items: Sequence[tuple[ChunkKey, Buffer]]) -> list[ItemResult]:
+        """Batch form of ``put``, one result per item in input order; media with round trips
+        or spare I/O parallelism override it (Redis pipelines, SSD spreads writes over a few
+        threads).
 
-        A failed write surfaces one of two ways, and callers handle both: an override may
-        report that chunk ``False`` and log the ``TierError``, the others keeping their results
-        (``SsdTier``); this default, like ``RedisTier``, raises ``TierError`` for the batch,
-        and the results of chunks already written are lost to the caller.
+        Per item, never for the batch: ``True`` stored and counted; ``False`` does not fit;
+        ``Failed`` the backend failed for that item, which is then not counted and not
+        stored (an older value of the key may remain). A backend failure never raises here,
+        so the caller always learns which items the tier holds; a caller's bug
+        (``InvalidArgument``) still raises.
         """
-        return [self.put(key, data) for key, data in items]
+        return [_attempt(self.put, key, data) for key, data in items]
 
-    def read_many_into(self, items: Sequence[tuple[ChunkKey, memoryview]]) -> list[bool]:
-        """Batch form of ``read_into``, results in input order; media with round trips or spare
-        I/O parallelism override it (Redis pipelines, SSD spreads reads over a few threads).
+    def read_many_into(self, items: Sequence[tuple[ChunkKey, memoryview]]) -> list[ItemResult]:
+        """Batch form of ``read_into``, one result per item in input order; media with round
+        trips or spare I/O parallelism override it (Redis pipelines, SSD threads).
 
-        A failed read (``TierError``; ``Corrupted`` after dropping the chunk) surfaces one of
-        two ways, and callers handle both: an override may report that chunk ``False`` and log
-        the error, the others keeping their results (``SsdTier``); this default, like
-        ``RedisTier``, raises for the whole batch.
+        Per item, never for the batch: ``True`` read; ``False`` absent; ``Failed`` the
+        backend failed for that item: with ``Corrupted`` the tier dropped the chunk, with
+        any other ``TierError`` it still holds it. A wrong buffer size (``InvalidArgument``,
+        a caller's bug) still raises.
         """
-        return [self.read_into(key, out) for key, out in items]
+        return [_attempt(self.read_into, key, out) for key, out in items]
 
     def stats(self) -> TierStats:
         return TierStats(self.name, self.capacity_bytes, self.used_bytes, self.num_chunks)
 
     def close(self) -> None:  # noqa: B027 - optional hook, most tiers have nothing to do
         """Release resources; the tier is not used afterwards."""
+
+
+def _attempt(op: Callable[[ChunkKey, Any], bool], key: ChunkKey, buf: Any) -> ItemResult:
+    try:
+        return op(key, buf)
+    except TierError as e:
+        return Failed(e)
 
 
 class SlotTier(Tier):

@@ -24,7 +24,9 @@ commands, which reconnect and follow the cluster's topology.
 
 Failure: socket connect and read timeouts are ``timeout_s`` (redis-py retries a failed
 command once), so a dead or hung Redis costs a caller about 2 x ``timeout_s`` at most. Every
-redis-py or socket error becomes ``TierError`` naming the URL (password hidden) and operation.
+redis-py or socket error becomes ``TierError`` naming the URL (password hidden) and operation;
+the batch forms report it per chunk (``Failed``), so the chunks that were written stay
+counted and known to the caller while the refused ones are neither.
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ from redis.retry import Retry
 
 from lmcache_svc.errors import Corrupted, InvalidArgument, TierError
 from lmcache_svc.keys import CHUNK_KEY_BYTES, ChunkKey
-from lmcache_svc.tiers.base import Buffer, Tier
+from lmcache_svc.tiers.base import Buffer, Failed, ItemResult, Tier
 from lmcache_svc.tiers.ledger import SizeLedger
 from lmcache_svc.tiers.redis_wire import (
     BACKEND_ERRORS,
@@ -57,6 +59,7 @@ from lmcache_svc.tiers.redis_wire import (
     check_args,
     check_url,
     check_value,
+    error_outcome,
     fetch_values,
     glob_escape,
     pack_header,
@@ -118,14 +121,19 @@ class RedisTier(Tier):
     # -- the Tier contract -----------------------------------------------------------------
 
     def put(self, key: ChunkKey, data: Buffer) -> bool:
-        return self.put_many([(key, data)])[0]
+        return _single(self.put_many([(key, data)])[0])
 
     def read_into(self, key: ChunkKey, out: memoryview) -> bool:
-        return self.read_many_into([(key, out)])[0]
+        return _single(self.read_many_into([(key, out)])[0])
 
-    def put_many(self, items: Sequence[tuple[ChunkKey, Buffer]]) -> list[bool]:
+    def put_many(self, items: Sequence[tuple[ChunkKey, Buffer]]) -> list[ItemResult]:
+        """Per item: ``True`` written and counted, ``False`` over capacity or refused by
+        Redis for memory (``-OOM``), ``Failed`` any other refusal; only ``True`` items stay
+        counted. A batch cut off as a whole (connection lost, timeout) is ``Failed`` for
+        every item and none is counted, though Redis may hold some of them: its
+        ``maxmemory`` and TTL, and the next start-up scan, account for those."""
         jobs = [self._job(key, byte_view(data, "data")) for key, data in items]
-        results = [False] * len(jobs)
+        results: list[ItemResult] = [False] * len(jobs)
         reserved: dict[int, int | None] = {}
         for i, job in enumerate(jobs):
             fits, old = self._ledger.reserve(job.key, len(job.data))
@@ -136,47 +144,57 @@ class RedisTier(Tier):
             outcomes = self._execute(
                 "put", [jobs[i] for i in todo], self._send_sets, self._put_slow
             )
-        except BaseException:
+        except BaseException as e:
             for i in todo:  # unknown what was written: count none of it
                 self._ledger.unreserve(jobs[i].key, len(jobs[i].data), reserved[i])
-            raise
-        errors: list[str] = []
+            if not isinstance(e, TierError):
+                raise
+            outcomes = [("error", str(e))] * len(todo)
+            batch_error: TierError | None = e
+        else:
+            batch_error = None
         for i, (status, detail) in zip(todo, outcomes):
-            results[i] = status == "ok"
-            if status != "ok":
+            if status == "ok":
+                results[i] = True
+                continue
+            if batch_error is None:
                 self._ledger.unreserve(jobs[i].key, len(jobs[i].data), reserved[i])
-            if status not in ("ok", "oom"):
-                errors.append(f"{jobs[i].key.hex()}: {detail}")
-        if errors:
-            raise TierError(
-                f"Redis put on {self.url} failed for {len(errors)} chunk(s): {errors[0]}"
-            )
+            if status != "oom":
+                results[i] = Failed(batch_error or TierError(
+                    f"Redis put of chunk {jobs[i].key.hex()} on {self.url} failed: {detail}"
+                ))  # fmt: skip
         return results
 
-    def read_many_into(self, items: Sequence[tuple[ChunkKey, memoryview]]) -> list[bool]:
+    def read_many_into(self, items: Sequence[tuple[ChunkKey, memoryview]]) -> list[ItemResult]:
+        """Per item: ``True`` read, ``False`` missing (it leaves the accounting), ``Failed``
+        with ``Corrupted`` (the value failed its checks and was deleted) or ``TierError``
+        (Redis refused or did not answer; the chunk stays counted)."""
         jobs = [self._job(key, byte_view(out, "out", writable=True)) for key, out in items]
-        outcomes = self._execute("read", jobs, fetch_values, self._read_slow)
-        corrupt: list[str] = []
+        try:
+            outcomes = self._execute("read", jobs, fetch_values, self._read_slow)
+        except TierError as e:
+            return [Failed(e)] * len(jobs)
+        results: list[ItemResult] = []
         bad_size: list[str] = []
-        errors: list[str] = []
         for job, (status, detail) in zip(jobs, outcomes):
+            results.append(status == "ok")
             if status == "miss":
                 self._ledger.drop(job.key)
             elif status == "corrupt":
-                corrupt.append(job.key.hex())
                 self._discard(job.key)
+                results[-1] = Failed(Corrupted(
+                    f"Redis chunk {job.key.hex()} on {self.url} failed its header or checksum "
+                    f"check ({detail}) and was deleted"
+                ))  # fmt: skip
+            elif status == "bad_size":
+                bad_size.append(f"{job.key.hex()}: {detail}")
             elif status != "ok":
-                (bad_size if status == "bad_size" else errors).append(f"{job.key.hex()}: {detail}")
-        if errors:
-            raise TierError(
-                f"Redis read on {self.url} failed for {len(errors)} chunk(s): {errors[0]}"
-            )
-        if corrupt:
-            raise Corrupted(f"Redis chunk(s) {', '.join(corrupt)} on {self.url} failed their "
-                            "header or checksum check and were deleted")  # fmt: skip
+                results[-1] = Failed(TierError(
+                    f"Redis read of chunk {job.key.hex()} on {self.url} failed: {detail}"
+                ))  # fmt: skip
         if bad_size:
             raise InvalidArgument(f"read buffer size mismatch: {bad_size[0]}")
-        return [status == "ok" for status, _ in outcomes]
+        return results
 
     def size_of(self, key: ChunkKey) -> int | None:
         rkey = self._rkey(key)
@@ -329,23 +347,39 @@ class RedisTier(Tier):
         stream: Callable[[list[Job], Any], list[Outcome]],
         slow: Callable[[Job], Outcome],
     ) -> list[Outcome]:
-        """Run ``jobs`` over the worker connections; redirected ones go through redis-py."""
+        """Run ``jobs`` over the worker connections; redirected ones go through redis-py.
+
+        One outcome per job: a shard whose connection fails or times out marks its own jobs
+        ``error`` (the other shards keep theirs), and so does a redis-py fallback that loses
+        its connection, for the jobs it had left (they would wait the same way).
+        """
         outcomes: list[Outcome] = [OK] * len(jobs)
         if not jobs:
             return outcomes
         with self._errors(op):
             shards = self._shards(jobs)
 
-            def run(shard: tuple[Any, list[int]]) -> None:
-                pool, indices = shard
+        def run(shard: tuple[Any, list[int]]) -> None:
+            pool, indices = shard
+            try:
                 done = stream_shard(pool, [jobs[i] for i in indices], stream)
-                for i, outcome in zip(indices, done):
-                    outcomes[i] = outcome
+            except BACKEND_ERRORS as e:
+                done = [_lost(op, e)] * len(indices)
+            for i, outcome in zip(indices, done):
+                outcomes[i] = outcome
 
-            self._map(run, shards)
-            for i, (status, _) in enumerate(outcomes):
-                if status == "redirect":
+        self._map(run, shards)
+        redirected = [i for i, (status, _) in enumerate(outcomes) if status == "redirect"]
+        for n, i in enumerate(redirected):
+            try:
+                with self._errors(op):
                     outcomes[i] = slow(jobs[i])
+            except TierError as e:
+                if not isinstance(e.__cause__, redis.ResponseError):
+                    for j in redirected[n:]:
+                        outcomes[j] = ("error", str(e))
+                    break
+                outcomes[i] = error_outcome(str(e.__cause__))
         return outcomes
 
     def _shards(self, jobs: list[Job]) -> list[tuple[Any, list[int]]]:
@@ -386,3 +420,14 @@ class RedisTier(Tier):
 
     def _read_slow(self, job: Job) -> Outcome:
         return check_value(job.key, self._client.get(job.rkey), job.data)
+
+
+def _single(result: ItemResult) -> bool:
+    """The single-item form's answer: a failure raises, as ``put`` and ``read_into`` do."""
+    if isinstance(result, Failed):
+        raise result.error
+    return result
+
+
+def _lost(op: str, error: BaseException) -> Outcome:
+    return ("error", f"{op}: {type(error).__name__}: {error}")

@@ -50,7 +50,7 @@ from lmcache_svc.tiers._fileio import (
     unlink,
     write_head_and_body,
 )
-from lmcache_svc.tiers.base import Buffer, Tier
+from lmcache_svc.tiers.base import Buffer, ItemResult, Tier
 from lmcache_svc.tiers.ssd_format import BLOCK, HEADER, key_from_name, pack_header, parse_header
 
 logger = logging.getLogger(__name__)
@@ -123,11 +123,12 @@ class SsdTier(Tier):
         view = self._lookup(key, out)
         return view is not None and self._read_file(key, view)
 
-    def put_many(self, items: Sequence[tuple[ChunkKey, Buffer]]) -> list[bool]:
+    def put_many(self, items: Sequence[tuple[ChunkKey, Buffer]]) -> list[ItemResult]:
         """``put`` of each item, room reserved in input order, writes on the I/O threads.
 
-        A chunk whose write raises ``TierError`` reads ``False`` (logged); the others keep
-        their results. A batch that repeats a key is written one put after another.
+        A chunk whose write raises ``TierError`` reads ``Failed`` (logged; its room given
+        back, its old file already gone); the others keep their results. A batch that
+        repeats a key is written one put after another.
         """
         keys = [key for key, _ in items]
         payloads = [_payload(key, data) for key, data in items]
@@ -141,10 +142,10 @@ class SsdTier(Tier):
         ]
         return self._io.run("write", keys, stores)
 
-    def read_many_into(self, items: Sequence[tuple[ChunkKey, memoryview]]) -> list[bool]:
+    def read_many_into(self, items: Sequence[tuple[ChunkKey, memoryview]]) -> list[ItemResult]:
         """``read_into`` of each item, looked up in input order, read on the I/O threads.
 
-        A chunk whose read raises ``TierError`` (``Corrupted``: dropped) reads ``False``
+        A chunk whose read raises ``TierError`` (``Corrupted``: dropped) reads ``Failed``
         (logged); the others keep their results.
         """
         keys = [key for key, _ in items]

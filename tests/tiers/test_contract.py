@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import os
 import threading
-from collections.abc import Iterator
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 from lmcache_svc.arena import Arena
-from lmcache_svc.errors import InvalidArgument
+from lmcache_svc.errors import Corrupted, InvalidArgument, TierError
 from lmcache_svc.keys import ChunkKey
-from lmcache_svc.tiers.base import SlotTier, Tier
+from lmcache_svc.tiers.base import Failed, SlotTier, Tier
 from lmcache_svc.tiers.cpu import CpuTier
 from lmcache_svc.tiers.ssd import SsdTier
 
@@ -143,3 +146,128 @@ def test_stats_and_slot_capability(tier: Tier) -> None:
         slot = tier.slot_of(make_key(1))
         assert slot is not None and bytes(tier.view(slot)) == make_chunk(1)
         assert tier.segment().transport == "shm"
+
+
+# -- batches report each item: what failed is neither stored nor counted ------------------------
+
+BAD = (2, 5)
+"""Keys whose writes the medium refuses in the tests below."""
+
+
+@dataclass
+class Faulty:
+    """A tier whose medium refuses writes of the ``BAD`` keys, and a way to damage a chunk."""
+
+    tier: Tier
+    corrupt: Callable[[ChunkKey], None]
+
+
+def _faulty_ssd(tmp_path: Path, request: pytest.FixtureRequest) -> Faulty:
+    tier = SsdTier(tmp_path / "ssd", CAPACITY_CHUNKS * (CHUNK + 4096))
+    for i in BAD:  # a file where the chunk's shard directory should be: its rename fails
+        shard = tmp_path / "ssd" / "chunks" / make_key(i).hex()[:2]
+        shard.rmdir()
+        shard.write_bytes(b"")
+
+    def corrupt(key: ChunkKey) -> None:
+        name = key.hex()
+        path = tmp_path / "ssd" / "chunks" / name[:2] / f"{name}.kv"
+        os.truncate(path, 4096 + 10)
+
+    return Faulty(tier, corrupt)
+
+
+def _faulty_redis_on(request: pytest.FixtureRequest, fixture: str, cluster: bool) -> Faulty:
+    """A Redis user who may read every key of the tier but write only those of good chunks:
+    a SET of a ``BAD`` one gets ``-NOPERM``, with the connection left open."""
+    from lmcache_svc.bench.redis_procs import send_command
+    from lmcache_svc.tiers.redis import RedisTier
+
+    procs = request.getfixturevalue(fixture)
+    nodes = procs.nodes if cluster else [procs]
+    prefix = f"contract-faulty-{uuid.uuid4().hex}:"
+    allowed = [f"~{prefix}{make_key(i).hex()[:2]}*" for i in range(16) if i not in BAD]
+    allowed.append(f"%R~{prefix}*")
+    user, password = f"u{uuid.uuid4().hex[:8]}", uuid.uuid4().hex
+    for node in nodes:
+        reply = send_command(node.port, "ACL", "SETUSER", user, "on", f">{password}",
+                             "resetkeys", *allowed, "+@all")  # fmt: skip
+        assert reply.startswith(b"+OK"), reply
+    url = f"redis://{user}:{password}@127.0.0.1:{nodes[0].port}/0"
+    tier = RedisTier(url, CAPACITY_CHUNKS * (CHUNK + 128), cluster=cluster, key_prefix=prefix)
+    admin = tier  # the default user (all keys) damages chunks for the read test
+
+    def corrupt(key: ChunkKey) -> None:
+        import redis
+
+        client_cls = redis.RedisCluster if cluster else redis.Redis
+        client = client_cls.from_url(nodes[0].url)
+        try:
+            client.set(admin._rkey(key), b"garbage")
+        finally:
+            client.close()
+
+    return Faulty(tier, corrupt)
+
+
+FAULTY = {
+    "ssd": _faulty_ssd,
+    "redis": lambda tmp_path, request: _faulty_redis_on(request, "redis_server", False),
+    "redis_cluster": lambda tmp_path, request: _faulty_redis_on(request, "redis_cluster", True),
+}
+"""Every tier whose medium can fail (the CPU arena cannot: its batches only run out of room,
+which ``test_batch_put_reports_no_room_per_item`` covers for every tier)."""
+
+
+@pytest.fixture(params=sorted(FAULTY))
+def faulty(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Faulty]:
+    made = FAULTY[request.param](tmp_path, request)
+    yield made
+    made.tier.close()
+
+
+def test_batch_put_reports_no_room_per_item(tier: Tier) -> None:
+    items = [(make_key(i), make_chunk(i)) for i in range(CAPACITY_CHUNKS + 2)]
+    assert tier.put_many(items) == [True] * CAPACITY_CHUNKS + [False] * 2
+    assert tier.num_chunks == CAPACITY_CHUNKS and tier.used_bytes <= tier.capacity_bytes
+    assert tier.contains_many([k for k, _ in items]) == [True] * CAPACITY_CHUNKS + [False] * 2
+
+
+def test_batch_put_failures_are_per_item_and_not_counted(faulty: Faulty) -> None:
+    tier = faulty.tier
+    items = [(make_key(i), make_chunk(i)) for i in range(6)]
+    results = tier.put_many(items)
+
+    good = [i for i in range(6) if i not in BAD]
+    assert [results[i] for i in good] == [True] * len(good)
+    for i in BAD:
+        assert isinstance(results[i], Failed) and isinstance(results[i].error, TierError)
+        assert not results[i]  # falsy: all(results) still means "every item stored"
+    assert tier.num_chunks == len(good)
+    assert tier.contains_many([k for k, _ in items]) == [i not in BAD for i in range(6)]
+    outs = [memoryview(bytearray(CHUNK)) for _ in good]
+    assert tier.read_many_into([(make_key(i), o) for i, o in zip(good, outs)]) == [True] * 4
+    assert [bytes(o) for o in outs] == [make_chunk(i) for i in good]
+    for i in good:  # what succeeded can be removed, and then nothing is counted any more
+        assert tier.delete(make_key(i)) > 0
+    assert (tier.used_bytes, tier.num_chunks) == (0, 0)
+
+
+def test_single_put_failure_raises(faulty: Faulty) -> None:
+    with pytest.raises(TierError):
+        faulty.tier.put(make_key(BAD[0]), make_chunk(0))
+    assert (faulty.tier.used_bytes, faulty.tier.num_chunks) == (0, 0)
+
+
+def test_batch_read_reports_a_corrupted_item_and_keeps_the_others(faulty: Faulty) -> None:
+    tier = faulty.tier
+    assert tier.put_many([(make_key(i), make_chunk(i)) for i in (0, 1, 3)]) == [True] * 3
+    faulty.corrupt(make_key(1))
+    outs = [memoryview(bytearray(CHUNK)) for _ in range(4)]
+    results = tier.read_many_into([(make_key(i), o) for i, o in zip((0, 1, 3, 4), outs)])
+
+    assert results[0] is True and results[2] is True and results[3] is False
+    assert isinstance(results[1], Failed) and isinstance(results[1].error, Corrupted)
+    assert (bytes(outs[0]), bytes(outs[2])) == (make_chunk(0), make_chunk(3))
+    assert tier.contains_many([make_key(i) for i in (0, 1, 3)]) == [True, False, True]
+    assert tier.num_chunks == 2  # the corrupted chunk was dropped and left the accounting

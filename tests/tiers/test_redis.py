@@ -17,6 +17,7 @@ import xxhash
 from lmcache_svc.bench.redis_procs import RedisClusterProcs, RedisProc
 from lmcache_svc.errors import ConfigError, Corrupted, InvalidArgument, TierError
 from lmcache_svc.keys import ChunkKey
+from lmcache_svc.tiers.base import Failed, ItemResult
 from lmcache_svc.tiers.redis import HEADER, RedisTier
 
 KiB = 1 << 10
@@ -151,6 +152,25 @@ def test_redis_oom_is_no_room(redis_factory: Callable[..., RedisProc]) -> None:
         tier.close()
 
 
+def test_batch_over_redis_maxmemory_counts_exactly_what_redis_holds(
+    redis_factory: Callable[..., RedisProc],
+) -> None:
+    server = redis_factory(extra_args=("--maxmemory", "4mb", "--maxmemory-policy", "noeviction"))
+    tier = RedisTier(server.url, 1 << 30, key_prefix="oom-batch:", num_connections=1)
+    admin = redis.Redis.from_url(server.url)
+    try:
+        results = tier.put_many([(make_key(i), make_chunk(i, MiB)) for i in range(8)])
+        assert True in results and results[-1] is False  # Redis refused the rest: no room
+        assert all(r is True or r is False for r in results)
+        held = {n: admin.strlen(n) - HEADER.size for n in admin.keys(b"oom-batch:*")}
+        assert len(held) == tier.num_chunks == results.count(True)
+        assert sum(held.values()) == tier.used_bytes
+        assert sorted(held) == sorted(rkey(tier, make_key(i)) for i, r in enumerate(results) if r)
+    finally:
+        admin.close()
+        tier.close()
+
+
 def test_flipped_payload_byte_is_corrupted(make_tier: TierFactory, raw: redis.Redis) -> None:
     tier = make_tier()
     tier.put(make_key(1), make_chunk(1))
@@ -217,8 +237,11 @@ def test_corrupted_chunk_in_a_batch(make_tier: TierFactory, raw: redis.Redis) ->
     tier.put_many([(make_key(i), make_chunk(i)) for i in range(6)])
     raw.set(rkey(tier, make_key(3)), b"garbage")
     outs = [memoryview(bytearray(4 * KiB)) for _ in range(6)]
-    with pytest.raises(Corrupted, match=make_key(3).hex()):
-        tier.read_many_into([(make_key(i), outs[i]) for i in range(6)])
+    results = tier.read_many_into([(make_key(i), outs[i]) for i in range(6)])
+    assert results[:3] + results[4:] == [True] * 5
+    assert isinstance(results[3], Failed) and isinstance(results[3].error, Corrupted)
+    assert make_key(3).hex() in str(results[3].error)
+    assert [bytes(outs[i]) for i in (0, 5)] == [make_chunk(0), make_chunk(5)]
     keys = [make_key(i) for i in range(6)]
     expected = [True, True, True, False, True, True]  # only the corrupted chunk was deleted
     assert tier.contains_many(keys) == expected
@@ -267,7 +290,14 @@ def assert_fails_fast(call: Callable[[], object], limit_s: float) -> None:
     assert "127.0.0.1" in str(info.value)
 
 
+def first_failure(results: list[ItemResult]) -> None:
+    """Raise the first failure of a batch: every item must have failed."""
+    assert all(isinstance(r, Failed) for r in results), results
+    raise next(r.error for r in results if isinstance(r, Failed))
+
+
 def test_dead_server_fails_fast(redis_factory: Callable[..., RedisProc]) -> None:
+    keys = [(i, make_key(i)) for i in range(8)]
     server = redis_factory()
     tier = RedisTier(server.url, 64 * MiB, timeout_s=1.0)
     try:
@@ -277,7 +307,7 @@ def test_dead_server_fails_fast(redis_factory: Callable[..., RedisProc]) -> None
         assert_fails_fast(lambda: read(tier, make_key(1)), 3.0)
         assert_fails_fast(lambda: tier.contains_many([make_key(1)]), 3.0)
         assert_fails_fast(
-            lambda: tier.put_many([(make_key(i), make_chunk(i, MiB)) for i in range(8)]), 3.0
+            lambda: first_failure(tier.put_many([(k, make_chunk(i, MiB)) for i, k in keys])), 3.0
         )
     finally:
         tier.close()
@@ -360,8 +390,8 @@ def test_failed_batch_is_not_counted(redis_factory: Callable[..., RedisProc]) ->
     tier = RedisTier(server.url, 64 * MiB, timeout_s=1.0)
     try:
         server.stop()
-        with pytest.raises(TierError):
-            tier.put_many([(make_key(i), make_chunk(i)) for i in range(4)])
+        results = tier.put_many([(make_key(i), make_chunk(i)) for i in range(4)])
+        assert all(isinstance(r, Failed) and "127.0.0.1" in str(r.error) for r in results)
         assert (tier.used_bytes, tier.num_chunks) == (0, 0)
     finally:
         tier.close()

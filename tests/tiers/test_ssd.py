@@ -19,6 +19,7 @@ import pytest
 from lmcache_svc.errors import ConfigError, Corrupted, InvalidArgument, TierError
 from lmcache_svc.keys import ChunkKey
 from lmcache_svc.tiers import ssd
+from lmcache_svc.tiers.base import Failed
 from lmcache_svc.tiers.ssd import BLOCK, SsdTier
 
 MiB = 1 << 20
@@ -328,7 +329,10 @@ def test_batches_keep_input_order_and_per_chunk_failures(
     with caplog.at_level(logging.WARNING, logger="lmcache_svc.tiers.ssd"):
         got = tier.read_many_into([(make_key(i), memoryview(o)) for i, o in zip(order, outs)])
 
-    assert got == [True, False, False, False, True]
+    assert [r is True for r in got] == [True, False, False, False, True]
+    assert got[2] is False  # absent (beyond capacity, never stored)
+    assert isinstance(got[1], Failed) and isinstance(got[1].error, Corrupted)  # dropped
+    assert isinstance(got[3], Failed) and not isinstance(got[3].error, Corrupted)  # kept
     assert (bytes(outs[0]), bytes(outs[4])) == (make_chunk(3), make_chunk(0))
     assert not corrupt_path.exists() and tier.size_of(make_key(1)) is None
     assert tier.size_of(make_key(2)) == 1000  # an I/O error drops nothing
@@ -350,7 +354,9 @@ def test_put_many_failed_write_releases_only_its_reservation(
     monkeypatch.setattr(ssd.os, "pwritev", pwritev_failing_second)
     got = tier.put_many([(make_key(i), make_chunk(i)) for i in range(3)])
 
-    assert sorted(got) == [False, True, True]
+    assert [r is True for r in got].count(True) == 2
+    (failed,) = [r for r in got if r is not True]
+    assert isinstance(failed, Failed) and "No space left" in str(failed.error)
     assert tier.used_bytes == 2 * (BLOCK + 1000) == tier.num_chunks * (BLOCK + 1000)
     assert os.listdir(tmp_path / "tmp") == []
 
