@@ -30,7 +30,7 @@ import os
 import threading
 import uuid
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import Literal
@@ -135,11 +135,7 @@ class SsdTier(Tier):
         if len(set(keys)) < len(keys):  # the last put of a key must win, as in sequence
             puts = [partial(self.put, key, data) for key, data in zip(keys, payloads)]
             return self._io.run("write", keys, puts, parallel=False)
-        entries = [self._reserve(key, len(data)) for key, data in zip(keys, payloads)]
-        stores = [
-            None if entry is None else partial(self._store, key, data, entry)
-            for key, data, entry in zip(keys, payloads, entries)
-        ]
+        stores = [self._reserved_store(key, data) for key, data in zip(keys, payloads)]
         return self._io.run("write", keys, stores)
 
     def read_many_into(self, items: Sequence[tuple[ChunkKey, memoryview]]) -> list[ItemResult]:
@@ -278,6 +274,15 @@ class SsdTier(Tier):
             self._used += entry.file_bytes - old_bytes
             return entry
 
+    def _reserved_store(self, key: ChunkKey, payload: memoryview) -> Callable[[], bool] | None:
+        """Room reserved now, the write for later: ``None`` when it does not fit, a call that
+        raises when reserving failed (removing the old file), so the batch reports it."""
+        try:
+            entry = self._reserve(key, len(payload))
+        except TierError as e:
+            return partial(_raise, e)
+        return None if entry is None else partial(self._store, key, payload, entry)
+
     def _store(self, key: ChunkKey, payload: memoryview, entry: _Entry) -> bool:
         """Write and index a chunk whose bytes ``_reserve`` claimed; releases them on failure."""
         try:
@@ -409,3 +414,7 @@ def _byte_view(buf: Buffer) -> memoryview:
     if not view.c_contiguous:
         raise InvalidArgument("chunk buffers must be contiguous")
     return view if view.format == "B" and view.ndim == 1 else view.cast("B")
+
+
+def _raise(error: TierError) -> bool:
+    raise error

@@ -361,6 +361,19 @@ def test_put_many_failed_write_releases_only_its_reservation(
     assert os.listdir(tmp_path / "tmp") == []
 
 
+def test_put_many_reports_an_overwrite_whose_old_file_cannot_be_removed(tmp_path: Path) -> None:
+    tier = SsdTier(tmp_path, MiB)
+    assert tier.put(make_key(1), make_chunk(1))
+    old = chunk_path(tmp_path, make_key(1))
+    old.unlink()
+    (old / "stuck").mkdir(parents=True)  # a directory where the old file was: unlink fails
+    got = tier.put_many([(make_key(1), make_chunk(2)), (make_key(2), make_chunk(2))])
+
+    assert isinstance(got[0], Failed) and "removing" in str(got[0].error) and got[1] is True
+    assert read(tier, make_key(2)) == make_chunk(2)
+    assert tier.used_bytes == 2 * (BLOCK + 1000)  # the old chunk is still indexed and counted
+
+
 def test_put_many_with_a_repeated_key_keeps_the_last(tmp_path: Path) -> None:
     tier = SsdTier(tmp_path, MiB)
     items = [(make_key(1), make_chunk(1)), (make_key(2), make_chunk(2)), (make_key(1), b"new")]
