@@ -175,7 +175,7 @@ def _route(method: str, path: str, **options: Any) -> Callable[[_Endpoint], _End
     "/v1/namespaces",
     summary="Register a namespace",
     tags=["namespaces"],
-    responses=error_responses(400),
+    responses=error_responses(400, 507),
 )
 def register_namespace(state: State, body: NamespaceModel) -> RegisterResponse:
     ns = state.cache.register_namespace(body.to_namespace())

@@ -209,6 +209,8 @@ def test_openapi_documents_the_namespace_bounds(rest: httpx.Client) -> None:
     chunk_size = schemas["NamespaceModel"]["properties"]["chunk_size"]
     assert (chunk_size["minimum"], chunk_size["maximum"]) == (1, MAX_FIELD_VALUE)
     assert schemas["KVLayoutModel"]["properties"]["num_layers"]["maximum"] == MAX_FIELD_VALUE
+    responses = rest.get("/openapi.json").json()["paths"]["/v1/namespaces"]["post"]["responses"]
+    assert {"400", "507"} <= set(responses)
 
 
 # -- unexpected exceptions over gRPC ----------------------------------------------------------
