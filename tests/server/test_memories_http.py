@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import shutil
+import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -183,3 +186,35 @@ def test_metrics_count_memories_and_bytes(tmp_path: Path) -> None:
     text = metrics.exposition().decode()
     assert metric_value(text, "lmcache_svc_memories") == 0
     assert metric_value(text, "lmcache_svc_memory_used_bytes") == 0
+
+
+@pytest.mark.skipif(shutil.which("curl") is None, reason="curl is not installed")
+def test_the_curl_examples_of_the_docs(app: App, tmp_path: Path) -> None:
+    s = str(app.client.base_url).rstrip("/")
+    src, back = tmp_path / "memory.safetensors", tmp_path / "back.safetensors"
+    src.write_bytes(make_memory(metadata={"source": "faq"}))
+    mid = memory_id_of(src.read_bytes())
+
+    def curl(*args: str) -> str:
+        out = subprocess.run(
+            ["curl", "-sS", *args], check=True, capture_output=True, text=True, timeout=10
+        )
+        return out.stdout
+
+    stored = json.loads(
+        curl(
+            "-X",
+            "POST",
+            f"{s}/v1/memories",
+            "-H",
+            "Content-Type: application/octet-stream",
+            "--data-binary",
+            f"@{src}",
+        )
+    )
+    assert stored["memory_id"] == mid and stored["metadata"] == {"source": "faq"}
+    assert json.loads(curl(f"{s}/v1/memories"))["memories"] == [stored]
+    curl("-o", str(back), f"{s}/v1/memories/{mid}")
+    assert back.read_bytes() == src.read_bytes()
+    assert curl("-I", f"{s}/v1/memories/{mid}").startswith("HTTP/1.1 204")
+    assert curl("-X", "DELETE", "-w", "%{http_code}", f"{s}/v1/memories/{mid}") == "204"
