@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 from collections.abc import Iterator
@@ -12,7 +13,7 @@ import pytest
 
 from lmcache_svc import errors
 from lmcache_svc.bench.procs import ServerProc, start_server
-from lmcache_svc.client import CacheClient, MemoryInfo
+from lmcache_svc.client import AsyncCacheClient, CacheClient, MemoryInfo
 from tests.memories.blobs import make_memory, memory_id_of
 from tests.server.test_grpc import run_py
 from tests.server.test_http import metric_value
@@ -41,7 +42,7 @@ def test_a_memory_added_by_one_process_is_seen_by_another(
     writer = f"""
         from lmcache_svc.client import CacheClient
         from tests.memories.blobs import make_memory
-        with CacheClient({server.socket!r}) as c:
+        with CacheClient({server.socket!r}, timeout_s=30) as c:
             info = c.put_memory(make_memory({MID!r}, seed=3, metadata={{"doc": "faq"}}))
             print(info.memory_id)
     """
@@ -49,7 +50,7 @@ def test_a_memory_added_by_one_process_is_seen_by_another(
     reader = f"""
         import hashlib, json
         from lmcache_svc.client import CacheClient
-        with CacheClient({server.grpc!r}) as c:
+        with CacheClient({server.grpc!r}, timeout_s=30) as c:
             (info,) = c.list_memories()
             blob = c.get_memory(info.memory_id)
             print(json.dumps([info.memory_id, info.size_bytes, info.model, info.metadata,
@@ -69,7 +70,7 @@ def test_a_memory_added_by_one_process_is_seen_by_another(
 def test_client_semantics(servers: list[ServerProc], tmp_path: Path) -> None:
     server = start(servers, tmp_path)
     blob = make_memory(MID, seed=1)
-    with CacheClient(server.socket) as c:
+    with CacheClient(server.socket, timeout_s=30) as c:
         info = c.put_memory(blob)
         assert info == MemoryInfo(MID, len(blob), "test-model", {"source": "test"})
         assert c.put_memory(memoryview(blob)) == info  # same bytes: idempotent
@@ -96,7 +97,7 @@ def test_bad_bodies_oversize_and_capacity_over_grpc(
         str(2 * len(blob)),
         LMCACHE_SVC_MEMORY__MAX_BYTES=str(len(blob)),
     )
-    with CacheClient(server.socket) as c:
+    with CacheClient(server.socket, timeout_s=30) as c:
         with pytest.raises(errors.BadMemory, match="not safetensors"):
             c.put_memory(b"\x00" * 64)
         with pytest.raises(errors.PayloadTooLarge, match="memory.max_bytes"):
@@ -125,14 +126,14 @@ def test_memories_survive_a_restart_with_a_memory_path(
     first.kill()  # no clean shutdown: the put was durable when it returned
 
     second = start(servers, tmp_path, "--memory-path", str(path))
-    with CacheClient(second.socket) as c:
+    with CacheClient(second.socket, timeout_s=30) as c:
         assert c.get_memory(MID) == blob
         assert [i.memory_id for i in c.list_memories()] == [MID]
         assert c.delete_memory(MID)
     assert second.stop() == 0
 
     third = start(servers, tmp_path, "--memory-path", str(path))
-    with CacheClient(third.socket) as c:
+    with CacheClient(third.socket, timeout_s=30) as c:
         assert c.list_memories() == []  # the delete persisted too
 
 
@@ -142,12 +143,12 @@ def test_memories_persist_under_the_ssd_tier_by_default(
     ssd = tmp_path / "ssd"
     blob = make_memory(MID)
     first = start(servers, tmp_path, "--ssd-path", str(ssd))
-    with CacheClient(first.socket) as c:
+    with CacheClient(first.socket, timeout_s=30) as c:
         c.put_memory(blob)
     assert first.stop() == 0
     assert [p.name for p in (ssd / "memories").glob("t-*/*")] == [f"{MID}.safetensors"]
     second = start(servers, tmp_path, "--ssd-path", str(ssd))
-    with CacheClient(second.socket) as c:
+    with CacheClient(second.socket, timeout_s=30) as c:
         assert c.get_memory(MID) == blob
 
 
@@ -155,11 +156,11 @@ def test_without_a_persistent_path_memories_live_in_ram_only(
     servers: list[ServerProc], tmp_path: Path
 ) -> None:
     first = start(servers, tmp_path)
-    with CacheClient(first.socket) as c:
+    with CacheClient(first.socket, timeout_s=30) as c:
         c.put_memory(make_memory(MID))
     assert first.stop() == 0
     second = start(servers, tmp_path)
-    with CacheClient(second.socket) as c:
+    with CacheClient(second.socket, timeout_s=30) as c:
         assert c.list_memories() == []
 
 
@@ -167,11 +168,48 @@ def test_memories_need_the_token_over_grpc(servers: list[ServerProc], tmp_path: 
     token = "memory-test-token-0123"
     server = start(servers, tmp_path, LMCACHE_SVC_AUTH_TOKEN=token)
     blob = make_memory(MID)
-    with CacheClient(server.socket) as anonymous:
+    with CacheClient(server.socket, timeout_s=30) as anonymous:
         with pytest.raises(errors.Unauthenticated):
             anonymous.put_memory(blob)
         with pytest.raises(errors.Unauthenticated):
             anonymous.list_memories()
-    with CacheClient(server.socket, auth_token=token) as c:
+    with CacheClient(server.socket, auth_token=token, timeout_s=30) as c:
         assert c.put_memory(blob).memory_id == memory_id_of(blob)
         assert c.get_memory(MID) == blob
+
+
+def test_async_client_has_the_same_semantics(servers: list[ServerProc], tmp_path: Path) -> None:
+    server = start(servers, tmp_path)
+    blob = make_memory(MID, seed=1)
+
+    async def scenario() -> None:
+        async with AsyncCacheClient(server.grpc, timeout_s=30) as c:
+            info = await c.put_memory(blob)
+            assert info == MemoryInfo(MID, len(blob), "test-model", {"source": "test"})
+            assert await c.put_memory(blob) == info
+            with pytest.raises(errors.Conflict):
+                await c.put_memory(make_memory(MID, seed=2))
+            assert await c.get_memory(MID) == blob
+            assert await c.list_memories() == [info]
+            assert await c.delete_memory(MID) is True
+            assert await c.get_memory(MID) is None
+            assert await c.delete_memory(MID) is False
+
+    asyncio.run(scenario())
+
+
+def test_async_client_raises_the_servers_error_class(
+    servers: list[ServerProc], tmp_path: Path
+) -> None:
+    """grpc.aio's errors are not grpc.Call instances; they used to become a bare
+    LMCacheSvcError("UNKNOWN: ...") instead of the class the server named."""
+    server = start(servers, tmp_path)
+
+    async def scenario() -> None:
+        async with AsyncCacheClient(server.grpc, timeout_s=30) as c:
+            with pytest.raises(errors.UnknownNamespace):
+                await c.lookup(b"\x01" * 16, [b"\x02" * 32])
+            with pytest.raises(errors.BadMemory, match="not safetensors"):
+                await c.put_memory(b"junk")
+
+    asyncio.run(scenario())
