@@ -164,7 +164,12 @@ def test_openapi_documents_every_memory_endpoint(app: App) -> None:
     assert "application/octet-stream" in item["get"]["responses"]["200"]["content"]
     assert {"400", "404"} <= set(item["delete"]["responses"])
     assert set(item["head"]["responses"]) >= {"204", "400", "404"}
+    (param,) = item["get"]["parameters"]
+    assert param["schema"]["format"] == "uuid" and param["schema"]["pattern"].startswith(
+        "^[0-9a-f]"
+    )
     model = spec["components"]["schemas"]["MemoryModel"]
+    assert model["properties"]["memory_id"]["format"] == "uuid"
     assert set(model["required"]) == {"memory_id", "size_bytes", "model", "metadata"}
     for op in (*collection.values(), *item.values()):
         assert op["summary"] and op["tags"] == ["memories"]
