@@ -3,7 +3,7 @@ channel options, error conversion and the shaping of inline transfers."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -21,8 +21,10 @@ _UNAVAILABLE = {
     grpc.StatusCode.CANCELLED,
 }
 RECONNECT_OPTIONS = [
+    # Retry a lost server quickly (100 ms, backing off to 1 s). Not min_reconnect_backoff_ms:
+    # gRPC also uses it as the time a connection attempt may take, so 100 ms there failed
+    # calls whenever the server's handshake was slower (a loaded host, a server starting up).
     ("grpc.initial_reconnect_backoff_ms", 100),
-    ("grpc.min_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 1000),
 ]
 
@@ -52,9 +54,11 @@ def grpc_target(address: str) -> str:
 
 def convert_rpc_error(error: grpc.RpcError) -> errors.LMCacheSvcError:
     """The project's exception for a failed call (the server sends the error kind)."""
-    code = error.code() if isinstance(error, grpc.Call) else grpc.StatusCode.UNKNOWN
-    details = (error.details() if isinstance(error, grpc.Call) else None) or str(error)
-    trailing = error.trailing_metadata() if isinstance(error, grpc.Call) else None
+    # grpc.aio's errors carry the same accessors but are not grpc.Call instances
+    call = isinstance(error, (grpc.Call, grpc.aio.AioRpcError))
+    code = error.code() if call else grpc.StatusCode.UNKNOWN
+    details = (error.details() if call else None) or str(error)
+    trailing = error.trailing_metadata() if call else None
     kind = dict(trailing or ()).get(ERROR_KIND_KEY)
     if kind:
         return error_from_kind(str(kind), details)
@@ -103,6 +107,38 @@ class GetAssembler:
     def result(self) -> list[bytes | None]:
         self._close()
         return self.chunks
+
+
+def memory_parts(blob: bytes | bytearray | memoryview) -> Iterator[pb.MemoryPart]:
+    """A PutMemory stream: the header with the blob's length, then its pieces."""
+    view = memoryview(blob).cast("B")
+    yield pb.MemoryPart(header=pb.MemoryHeader(length=len(view)))
+    for i in range(0, len(view), PIECE_BYTES):
+        yield pb.MemoryPart(data=bytes(view[i : i + PIECE_BYTES]))
+
+
+def join_memory_parts(parts: Iterable[pb.MemoryPart]) -> bytes | None:
+    """The blob of a GetMemory stream, or None for a miss."""
+    pieces: list[bytes] = []
+    length: int | None = None
+    for part in parts:
+        if part.HasField("header"):
+            if not part.header.found:
+                return None
+            length = int(part.header.length)
+        else:
+            pieces.append(part.data)
+    blob = b"".join(pieces)
+    if length is None or len(blob) != length:
+        raise errors.ServerUnavailable(
+            f"GetMemory stream ended after {len(blob)} of {length} bytes; try again"
+        )
+    return blob
+
+
+def memory_timeout(timeout_s: float, num_bytes: int) -> float:
+    """A bulk transfer's deadline: ``timeout_s`` per started 64 MiB."""
+    return timeout_s * (1 + num_bytes // (64 << 20))
 
 
 def stats_dict(resp: pb.StatsResponse) -> dict[str, Any]:

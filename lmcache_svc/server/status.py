@@ -17,6 +17,7 @@ Choices worth knowing:
 - ``TooManyNamespaces`` is ``RESOURCE_EXHAUSTED`` / 507 too: the server's namespace table
   is full (``cache.max_namespaces``); already registered namespaces keep working.
 - ``TierError`` (and ``Corrupted``) is ``UNAVAILABLE`` / 503.
+- ``Conflict`` is ``ALREADY_EXISTS`` / 409: a memory id already stored with other bytes.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from __future__ import annotations
 import grpc
 
 from lmcache_svc.errors import (
+    Conflict,
     InvalidArgument,
     LMCacheSvcError,
     NoSpace,
@@ -44,6 +46,7 @@ _TABLE: tuple[tuple[type[LMCacheSvcError], grpc.StatusCode, int], ...] = (
     (PayloadTooLarge, grpc.StatusCode.INVALID_ARGUMENT, 413),
     (InvalidArgument, grpc.StatusCode.INVALID_ARGUMENT, 400),
     (NotFound, grpc.StatusCode.NOT_FOUND, 404),
+    (Conflict, grpc.StatusCode.ALREADY_EXISTS, 409),
     (NoSpace, grpc.StatusCode.RESOURCE_EXHAUSTED, 507),
     (TooManyNamespaces, grpc.StatusCode.RESOURCE_EXHAUSTED, 507),
     (Unauthenticated, grpc.StatusCode.UNAUTHENTICATED, 401),
