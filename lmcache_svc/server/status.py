@@ -22,11 +22,13 @@ from __future__ import annotations
 import grpc
 
 from lmcache_svc.errors import (
+    BodyTimeout,
     InvalidArgument,
     LMCacheSvcError,
     NoSpace,
     NotFound,
     PayloadTooLarge,
+    PermissionDenied,
     SizeMismatch,
     TierError,
     Unauthenticated,
@@ -38,11 +40,13 @@ INTERNAL_KIND = "internal"
 _TABLE: tuple[tuple[type[LMCacheSvcError], grpc.StatusCode, int], ...] = (
     (UnknownNamespace, grpc.StatusCode.INVALID_ARGUMENT, 404),
     (SizeMismatch, grpc.StatusCode.INVALID_ARGUMENT, 400),
+    (BodyTimeout, grpc.StatusCode.DEADLINE_EXCEEDED, 408),
     (PayloadTooLarge, grpc.StatusCode.INVALID_ARGUMENT, 413),
     (InvalidArgument, grpc.StatusCode.INVALID_ARGUMENT, 400),
     (NotFound, grpc.StatusCode.NOT_FOUND, 404),
     (NoSpace, grpc.StatusCode.RESOURCE_EXHAUSTED, 507),
     (Unauthenticated, grpc.StatusCode.UNAUTHENTICATED, 401),
+    (PermissionDenied, grpc.StatusCode.PERMISSION_DENIED, 403),
     (TierError, grpc.StatusCode.UNAVAILABLE, 503),
 )
 
