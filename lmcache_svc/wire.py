@@ -29,6 +29,8 @@ _ERRORS_BY_KIND: dict[str, type[errors.LMCacheSvcError]] = {
         errors.UnknownSession,
         errors.NoSpace,
         errors.Unauthenticated,
+        errors.PermissionDenied,
+        errors.BodyTimeout,
         errors.ConfigError,
         errors.TierError,
         errors.Corrupted,
