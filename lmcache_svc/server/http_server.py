@@ -75,7 +75,9 @@ def make_uvicorn_config(app: Any, limits: ConnectionLimits, **kwargs: Any) -> uv
     return uvicorn.Config(
         app,
         http=_protocol_class(limits.header_timeout_s),
-        limit_concurrency=limits.max_connections,
+        # uvicorn refuses a request when len(connections) >= limit_concurrency, its own
+        # connection included: + 1 makes max_connections the number served.
+        limit_concurrency=limits.max_connections + 1,
         timeout_keep_alive=limits.keep_alive_s,  # type: ignore[arg-type]
         log_level="warning",
         access_log=False,
