@@ -146,7 +146,8 @@ class HttpConfig(_Section):
     keep_alive_s: float = Field(5.0, gt=0, le=3600)
     """An idle keep-alive connection is closed after this long."""
     max_connections: int = Field(256, ge=1, le=65536)
-    """Open connections (or requests in flight) above which new requests get 503."""
+    """Most HTTP connections served at once (requests in flight count too); requests on
+    connections beyond it get 503."""
 
 
 class Config(_Section):

@@ -3,8 +3,9 @@
 uvicorn has no timeout for a request head: a client that opens a connection and sends half
 a request line keeps it (and its buffers) forever. ``_HeadTimeout`` closes a connection that
 has not completed a request head ``header_timeout_s`` after it opened or after its last
-response. ``max_connections`` is uvicorn's ``limit_concurrency`` (requests beyond it get
-503), ``keep_alive_s`` its ``timeout_keep_alive``. Body timeouts live in ``http_edge``.
+response. ``max_connections`` is the most connections served (uvicorn's
+``limit_concurrency``; requests on connections beyond it get 503), ``keep_alive_s`` is
+uvicorn's ``timeout_keep_alive``. Body timeouts live in ``http_edge``.
 """
 
 from __future__ import annotations

@@ -11,6 +11,7 @@ of examples per operation and mode, no shrinking, no example database.
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -39,7 +40,7 @@ pytestmark = pytest.mark.slow
 
 ADMIN = "fuzz-admin-token-0001"
 TENANT = "fuzz-tenant-token-001"
-EXAMPLES = 20
+EXAMPLES = int(os.environ.get("LMCACHE_SVC_FUZZ_EXAMPLES", "20"))
 CHECKS = [
     not_a_server_error,
     status_code_conformance,
