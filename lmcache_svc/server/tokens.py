@@ -94,7 +94,8 @@ def read_tokens_file(path: Path) -> dict[bytes, Principal]:
     try:
         parsed = TokensFile.model_validate(data)
     except ValidationError as e:
-        raise ConfigError(f"tokens file {path}: " + format_validation_error(e)) from None
+        problems = format_validation_error(e).split("\n")[1:]  # not "invalid configuration"
+        raise ConfigError(f"tokens file {path} is invalid:\n" + "\n".join(problems)) from None
     table: dict[bytes, Principal] = {}
     for i, entry in enumerate(parsed.tokens):
         digest = entry.digest()

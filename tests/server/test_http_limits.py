@@ -159,7 +159,7 @@ def test_stalled_body_gets_408_and_the_connection_closes(
     assert served.cache.stats().pending_stores == 0
 
 
-# -- connection limit ---------------------------------------------------------------------------
+# -- connection limit -------------------------------------------------------------------------
 
 
 def test_connection_limit_answers_503_beyond_it(serve: Callable[..., Served]) -> None:  # noqa: F811

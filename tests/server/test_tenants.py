@@ -10,6 +10,8 @@ import hashlib
 import logging
 import os
 import signal
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -20,6 +22,7 @@ import pytest
 from lmcache_svc import errors
 from lmcache_svc.bench.procs import ServerProc, start_server
 from lmcache_svc.client import CacheClient
+from lmcache_svc.config import load_config
 from lmcache_svc.errors import ConfigError, Unauthenticated
 from lmcache_svc.keys import KVLayout, Namespace, chunk_hashes
 from lmcache_svc.server.tokens import RECHECK_S, Authenticator, read_tokens_file
@@ -157,7 +160,7 @@ def test_a_broken_tokens_file_keeps_the_previous_tokens(
         assert token not in caplog.text
 
 
-# -- namespace ids ------------------------------------------------------------------------------
+# -- namespace ids ----------------------------------------------------------------------------
 
 
 def test_namespace_ids_of_different_tenants_never_collide() -> None:
@@ -169,7 +172,7 @@ def test_namespace_ids_of_different_tenants_never_collide() -> None:
     assert len(hashes) == len(tenants)  # so no chunk key is shared either
 
 
-# -- REST ----------------------------------------------------------------------------------------
+# -- REST -------------------------------------------------------------------------------------
 
 
 @pytest.fixture
@@ -278,7 +281,7 @@ def test_rest_openapi_declares_the_refusals(rest: Served) -> None:
     assert "401" not in spec["paths"]["/healthz"]["get"]["responses"]
 
 
-# -- gRPC ------------------------------------------------------------------------------------------
+# -- gRPC -------------------------------------------------------------------------------------
 
 
 @pytest.fixture
@@ -363,3 +366,28 @@ def test_grpc_sighup_rereads_the_tokens_file(grpc_server: ServerProc, tokens_fil
     assert "tokens file" in log
     for token in (ACME, rotated, BOB, ADMIN):
         assert token not in log
+
+
+# -- start-up ---------------------------------------------------------------------------------
+
+
+def test_tokens_file_counts_as_auth_for_an_exposed_host(tokens_file: Path) -> None:
+    cfg = load_config(overrides={"host": "0.0.0.0", "tokens_file": str(tokens_file)})
+    assert cfg.tokens_file == tokens_file
+    with pytest.raises(ConfigError, match="tokens_file"):
+        load_config(overrides={"host": "0.0.0.0"})
+
+
+def test_server_refuses_to_start_with_a_bad_tokens_file(tmp_path: Path) -> None:
+    bad = tmp_path / "tokens.yaml"
+    bad.write_text(f"tokens:\n  - tenant: acme\n    token: {ACME}\n  - token: {BOB}\n")
+    out = subprocess.run(
+        [sys.executable, "-m", "lmcache_svc", "serve", "--no-http", "--grpc-port", "0"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "LMCACHE_SVC_TOKENS_FILE": str(bad)},
+    )
+    assert out.returncode == 2, out.stderr
+    assert "tokens.1" in out.stderr and "exactly one of 'tenant' and 'admin" in out.stderr
+    assert ACME not in out.stderr and BOB not in out.stderr
