@@ -188,8 +188,8 @@ class _Exchange:
             )
         if isinstance(exc, Unauthenticated):
             response.headers["WWW-Authenticate"] = "Bearer"
-        if isinstance(exc, BodyTimeout):
-            response.headers["Connection"] = "close"  # the rest of the body never comes
+        if exc is self.refusal:  # a body cut off unread: close rather than drain the rest
+            response.headers["Connection"] = "close"
         self.started, self.status = True, response.status_code
         await response(self.scope, self._receive, self._send)
 

@@ -57,6 +57,7 @@ def test_json_body_over_the_json_limit_is_413_before_parsing(
     pieces = [body[i : i + 65536] for i in range(0, len(body), 65536)]
     r = served.client.post("/v1/lookup", content=iter(pieces))  # no Content-Length
     assert_error(r, 413, "payload_too_large", "stopped reading", str(DEFAULT_MAX_JSON_BYTES))
+    assert r.headers["connection"] == "close"  # the rest is not drained
     for path in ("/v1/namespaces", "/v1/keys", "/v1/lookup"):
         r = served.client.post(path, content=b" " * (DEFAULT_MAX_JSON_BYTES + 1))
         assert_error(r, 413, "payload_too_large", "JSON body")
