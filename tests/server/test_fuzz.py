@@ -22,6 +22,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis.errors import Unsatisfiable
 from schemathesis import GenerationMode
 from schemathesis.checks import not_a_server_error
+from schemathesis.core.result import Err
 from schemathesis.specs.openapi.checks import (
     content_type_conformance,
     response_schema_conformance,
@@ -124,7 +125,10 @@ def test_fuzz_rest_api(fuzzed: tuple[Any, dict[str, str]]) -> None:
     app, headers = fuzzed
     schema = schemathesis.openapi.from_dict(json.loads(json.dumps(app.openapi())))
     schema.app = app
-    operations = [result.ok() for result in schema.get_all_operations()]
+    operations: list[Any] = []
+    for result in schema.get_all_operations():
+        assert not isinstance(result, Err), result.err()  # the document itself is valid
+        operations.append(result.ok())
     assert len(operations) >= 11
     for operation in operations:
         _fuzz(operation, headers)
