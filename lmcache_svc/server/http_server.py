@@ -29,7 +29,8 @@ class _HeadTimeout:
     """Mixed into uvicorn's HTTP protocol: close a connection whose request head is late.
 
     A request has begun when the protocol made a new ``cycle``; the timer remembers the
-    cycle it was armed under and closes the connection only if none began since.
+    cycle it was armed under and closes the connection only if none began since and none is
+    being served (httptools may start a pipelined cycle before the previous response ends).
     """
 
     header_timeout_s: float
@@ -59,7 +60,8 @@ class _HeadTimeout:
         self._head_timer = loop.call_later(self.header_timeout_s, self._head_overdue, cycle)
 
     def _head_overdue(self, armed_under: Any) -> None:
-        if self.cycle is armed_under and not self.transport.is_closing():
+        idle = self.cycle is None or self.cycle.response_complete  # not serving a request
+        if self.cycle is armed_under and idle and not self.transport.is_closing():
             self.transport.close()
 
 
