@@ -343,6 +343,10 @@ def test_grpc_read_only_token_cannot_write(grpc_server: ServerProc) -> None:
     with CacheClient(grpc_server.grpc, auth_token="not-a-token-at-all") as nobody:
         with pytest.raises(errors.Unauthenticated):
             nobody.lookup(ns_id, hashes)
+        with pytest.raises(errors.Unauthenticated):  # server-streaming
+            nobody.get(ns_id, hashes)
+        with pytest.raises(errors.Unauthenticated):  # client-streaming
+            nobody.put(ns_id, [(hashes[0], make_chunk(0, ns.chunk_bytes))])
 
 
 def test_grpc_sighup_rereads_the_tokens_file(grpc_server: ServerProc, tokens_file: Path) -> None:
