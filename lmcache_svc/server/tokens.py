@@ -90,6 +90,8 @@ class TokensFile(BaseModel):
 
 def read_tokens_file(path: Path) -> dict[bytes, Principal]:
     """Digest -> principal of every entry; ``ConfigError`` naming the problem."""
+    if not path.is_file():
+        raise ConfigError(f"tokens file {path} does not exist or is not a file")
     data = read_config_file(path)
     try:
         parsed = TokensFile.model_validate(data)

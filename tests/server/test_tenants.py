@@ -121,6 +121,11 @@ def test_bad_tokens_files_are_refused_naming_the_problem(
     assert "aaaaaaaaaaaaaaaaaa" not in str(info.value)  # a token never shows in an error
 
 
+def test_missing_tokens_file_is_named(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="tokens file .*missing.yaml does not exist"):
+        Authenticator(tokens_file=tmp_path / "missing.yaml")
+
+
 def _rewrite(path: Path, text: str) -> None:
     tmp = path.with_suffix(".new")
     tmp.write_text(text)
