@@ -153,9 +153,26 @@ class MemoryConfig(_Section):
         return ssd_path / "memories" if ssd_path is not None else None
 
 
+class HttpConfig(_Section):
+    max_json_bytes: ByteSize = Field(ByteSize(4 << 20), gt=0)
+    """Largest JSON request body (/v1/namespaces, /v1/keys, /v1/lookup); larger ones get 413
+    before they are parsed. Chunk bodies are bounded by max_body_bytes instead."""
+    header_timeout_s: float = Field(10.0, gt=0, le=3600)
+    """A connection that has not sent a complete request head this long after it opened
+    (or after its previous response) is closed."""
+    body_idle_timeout_s: float = Field(30.0, gt=0, le=3600)
+    """A request whose body makes no progress for this long is answered 408 and closed."""
+    keep_alive_s: float = Field(5.0, gt=0, le=3600)
+    """An idle keep-alive connection is closed after this long."""
+    max_connections: int = Field(256, ge=1, le=65536)
+    """Most HTTP connections served at once (requests in flight count too); requests on
+    connections beyond it get 503."""
+
+
 class Config(_Section):
     host: str = "127.0.0.1"
-    """Address of the TCP listeners (gRPC and HTTP). Not loopback requires auth_token."""
+    """Address of the TCP listeners (gRPC and HTTP). Not loopback requires auth_token or
+    tokens_file."""
     http_port: int | None = Field(8080, ge=0, le=65535)
     """REST port; 0 = any free port; null = no REST listener."""
     grpc_port: int | None = Field(50051, ge=0, le=65535)
@@ -166,7 +183,11 @@ class Config(_Section):
     """Permissions of the Unix socket: 0o600 = only the server's user may connect; 0o660 lets
     the engine's group in (its directory is made 0o711 then)."""
     auth_token: str | None = None
-    """Bearer token required on every call (except health checks) when set."""
+    """Admin bearer token (every tenant, stats, metrics); authentication is on when this or
+    tokens_file is set (health checks stay open)."""
+    tokens_file: Path | None = None
+    """YAML/TOML file of per-tenant tokens (docs/security.md); re-read when it changes and on
+    SIGHUP."""
     allow_unauthenticated: bool = False
     """Allow a non-loopback host without auth_token (not recommended)."""
     max_body_bytes: ByteSize = Field(ByteSize(256 << 20), gt=0)
@@ -177,6 +198,7 @@ class Config(_Section):
     """Server log level."""
     ready_file: Path | None = None
     """Where to write a JSON line with the bound addresses once serving (for supervisors)."""
+    http: HttpConfig = Field(default_factory=HttpConfig)
     cpu: CpuConfig = Field(default_factory=CpuConfig)
     ssd: SsdConfig = Field(default_factory=SsdConfig)
     redis: RedisConfig = Field(default_factory=RedisConfig)
@@ -197,11 +219,13 @@ class Config(_Section):
         if (
             not _is_loopback(self.host)
             and self.auth_token is None
+            and self.tokens_file is None
             and not self.allow_unauthenticated
         ):
             raise ValueError(
-                f"host {self.host!r} is reachable from other machines: set auth_token "
-                "(or allow_unauthenticated: true if a network policy protects the port)"
+                f"host {self.host!r} is reachable from other machines: set auth_token or "
+                "tokens_file (or allow_unauthenticated: true if a network policy protects "
+                "the port)"
             )
         return self
 

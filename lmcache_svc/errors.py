@@ -38,6 +38,12 @@ class PayloadTooLarge(InvalidArgument):
     kind = "payload_too_large"
 
 
+class BodyTimeout(InvalidArgument):
+    """A request body that stopped arriving (the client stalled or sends too slowly)."""
+
+    kind = "request_timeout"
+
+
 class BadMemory(InvalidArgument):
     """A memory body that is not a memory blob: not safetensors, or bad header metadata."""
 
@@ -79,6 +85,12 @@ class Unauthenticated(LMCacheSvcError):
     """Missing or wrong credentials."""
 
     kind = "unauthenticated"
+
+
+class PermissionDenied(LMCacheSvcError):
+    """Valid credentials that do not allow this call (another tenant, admin-only, read-only)."""
+
+    kind = "permission_denied"
 
 
 class ConfigError(LMCacheSvcError):

@@ -34,6 +34,8 @@ _ERRORS_BY_KIND: dict[str, type[errors.LMCacheSvcError]] = {
         errors.NoSpace,
         errors.TooManyNamespaces,
         errors.Unauthenticated,
+        errors.PermissionDenied,
+        errors.BodyTimeout,
         errors.ConfigError,
         errors.TierError,
         errors.Corrupted,

@@ -27,6 +27,8 @@ from lmcache_svc.policy import CacheSettings, TierPolicy
 from lmcache_svc.server.grpc import build_grpc_server, set_serving
 from lmcache_svc.server.grpc_memories import add_memory_service
 from lmcache_svc.server.http import create_app
+from lmcache_svc.server.http_server import ConnectionLimits, make_uvicorn_config
+from lmcache_svc.server.tokens import Authenticator, make_authenticator
 from lmcache_svc.tiers.base import Tier
 from lmcache_svc.tiers.cpu import CpuTier
 
@@ -138,9 +140,19 @@ class Service:
     def __init__(self, config: Config) -> None:
         self.config = config
         self._stop = asyncio.Event()
+        self.auth: Authenticator | None = make_authenticator(config.auth_token, config.tokens_file)
 
     def request_stop(self) -> None:
         self._stop.set()
+
+    def reload_tokens(self) -> None:
+        """SIGHUP: re-read the tokens file now (a bad file is logged; old tokens stay)."""
+        if self.auth is None:
+            return
+        try:
+            self.auth.reload()
+        except ConfigError as e:
+            log.error("keeping the previous tokens: %s", e)
 
     async def run(self) -> None:
         cfg = self.config
@@ -156,9 +168,9 @@ class Service:
             cache,
             max_body_bytes=int(cfg.max_body_bytes),
             workers=cfg.grpc_workers,
-            auth_token=cfg.auth_token,
+            auth=self.auth,
         )
-        add_memory_service(grpc_server, memories, cache.metrics)
+        add_memory_service(grpc_server, memories, cache.metrics, self.auth)
         addresses: dict[str, Any] = {"shm": cache.segment().name, "pid": os.getpid()}
         http: _Uvicorn | None = None
         http_task: asyncio.Task[None] | None = None
@@ -178,15 +190,17 @@ class Service:
             if cfg.http_port is not None:
                 sock = _bind_tcp(cfg.host, cfg.http_port)
                 addresses["http"] = f"http://{_host_port(cfg.host, sock.getsockname()[1])}"
+                h = cfg.http
                 app = create_app(
                     cache,
-                    auth_token=cfg.auth_token,
+                    auth=self.auth,
                     max_body_bytes=int(cfg.max_body_bytes),
+                    max_json_bytes=int(h.max_json_bytes),
+                    body_idle_timeout_s=h.body_idle_timeout_s,
                     memories=memories,
                 )
-                http = _Uvicorn(
-                    uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off")
-                )
+                limits = ConnectionLimits(h.header_timeout_s, h.keep_alive_s, h.max_connections)
+                http = _Uvicorn(make_uvicorn_config(app, limits, lifespan="off"))
                 http_task = asyncio.create_task(http.serve(sockets=[sock]))
             self._announce(addresses)
             await self._stop.wait()
@@ -229,6 +243,7 @@ def serve(config: Config) -> None:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, service.request_stop)
+        loop.add_signal_handler(signal.SIGHUP, service.reload_tokens)
         await service.run()
 
     asyncio.run(main())

@@ -29,8 +29,9 @@ from lmcache_svc.errors import (
 )
 from lmcache_svc.keys import check_chunk_hash
 from lmcache_svc.metrics import Metrics
-from lmcache_svc.server.auth import check_bearer
+from lmcache_svc.server.grpc_auth import AuthInterceptor
 from lmcache_svc.server.status import INTERNAL_KIND, grpc_code
+from lmcache_svc.server.tokens import Authenticator, make_authenticator
 from lmcache_svc.v1 import cache_pb2 as pb
 from lmcache_svc.v1 import cache_pb2_grpc as pb_grpc
 from lmcache_svc.wire import ERROR_KIND_KEY, PIECE_BYTES, channel_options, namespace_from_pb
@@ -351,35 +352,17 @@ class _Upload:
             self._cache.abort_store(self._ns_id, [self._hash], session_id=self._owner)
 
 
-class _AuthInterceptor(grpc.aio.ServerInterceptor):
-    """Require ``authorization: Bearer <token>`` on every call except health checks."""
-
-    def __init__(self, token: str) -> None:
-        self._token = token
-
-    async def intercept_service(self, continuation: Any, details: Any) -> Any:
-        if details.method.startswith("/grpc.health.v1.Health/"):
-            return await continuation(details)
-        header = dict(details.invocation_metadata or ()).get("authorization")
-        try:
-            check_bearer(header, self._token)
-        except LMCacheSvcError as e:
-            return _deny(str(e))
-        return await continuation(details)
-
-
-def _deny(message: str) -> grpc.RpcMethodHandler:
-    async def abort(request: Any, context: grpc.aio.ServicerContext) -> None:
-        context.set_trailing_metadata(((ERROR_KIND_KEY, "unauthenticated"),))
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
-
-    return grpc.unary_unary_rpc_method_handler(abort)
-
-
 def build_grpc_server(
-    cache: TieredCache, *, max_body_bytes: int, workers: int, auth_token: str | None
+    cache: TieredCache,
+    *,
+    max_body_bytes: int,
+    workers: int,
+    auth_token: str | None = None,
+    auth: Authenticator | None = None,
 ) -> tuple[grpc.aio.Server, CacheServicer, health.aio.HealthServicer]:
-    interceptors = [_AuthInterceptor(auth_token)] if auth_token else []
+    """``auth`` (or, without it, ``auth_token`` as an admin token) turns authentication on."""
+    auth = auth or make_authenticator(auth_token)
+    interceptors = [AuthInterceptor(auth, cache)] if auth is not None else []
     server = grpc.aio.server(interceptors=interceptors, options=channel_options())
     servicer = CacheServicer(cache, max_body_bytes=max_body_bytes, workers=workers)
     pb_grpc.add_CacheServiceServicer_to_server(servicer, server)

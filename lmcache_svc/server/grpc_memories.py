@@ -19,25 +19,28 @@ from lmcache_svc.memories.store import MemoryStore
 from lmcache_svc.metrics import Metrics
 from lmcache_svc.server.grpc import _rpc
 from lmcache_svc.server.status import grpc_code
-from lmcache_svc.server.tenancy import grpc_caller_tenant
+from lmcache_svc.server.tenancy import caller_tenant
+from lmcache_svc.server.tokens import Authenticator, principal_of
 from lmcache_svc.v1 import cache_pb2 as pb
 from lmcache_svc.v1 import cache_pb2_grpc as pb_grpc
 from lmcache_svc.wire import ERROR_KIND_KEY, PIECE_BYTES, memory_info_to_pb
 
 
-def _tenant(context: grpc.aio.ServicerContext) -> str:
-    return grpc_caller_tenant(context.invocation_metadata())
-
-
 class MemoryServicer(pb_grpc.MemoryServiceServicer):
-    def __init__(self, store: MemoryStore, metrics: Metrics) -> None:
+    def __init__(self, store: MemoryStore, metrics: Metrics, auth: Authenticator | None) -> None:
         self._store = store
         self._metrics = metrics
+        self._auth = auth
+
+    def _tenant(self, context: grpc.aio.ServicerContext) -> str:
+        """The caller's tenant (its token was already checked by the auth interceptor)."""
+        header = dict(context.invocation_metadata() or ()).get("authorization")
+        return caller_tenant(principal_of(self._auth, header if isinstance(header, str) else None))
 
     @_rpc
     async def PutMemory(self, request_iterator: Any, context: Any) -> pb.PutMemoryResponse:
         blob = await self._receive_blob(request_iterator)
-        info, created = await asyncio.to_thread(self._store.put, _tenant(context), blob)
+        info, created = await asyncio.to_thread(self._store.put, self._tenant(context), blob)
         return pb.PutMemoryResponse(memory=memory_info_to_pb(info), created=created)
 
     async def _receive_blob(self, request_iterator: Any) -> bytearray:
@@ -67,7 +70,7 @@ class MemoryServicer(pb_grpc.MemoryServiceServicer):
         start = time.perf_counter()
         code = grpc.StatusCode.OK
         try:
-            tenant = _tenant(context)
+            tenant = self._tenant(context)
             blob = await asyncio.to_thread(self._store.get, tenant, request.memory_id)
             if blob is None:
                 yield pb.MemoryPart(header=pb.MemoryHeader(found=False))
@@ -90,15 +93,19 @@ class MemoryServicer(pb_grpc.MemoryServiceServicer):
 
     @_rpc
     async def ListMemories(self, request: Any, context: Any) -> pb.ListMemoriesResponse:
-        infos = self._store.list(_tenant(context))
+        infos = self._store.list(self._tenant(context))
         return pb.ListMemoriesResponse(memories=[memory_info_to_pb(i) for i in infos])
 
     @_rpc
     async def DeleteMemory(self, request: Any, context: Any) -> pb.DeleteMemoryResponse:
-        deleted = await asyncio.to_thread(self._store.delete, _tenant(context), request.memory_id)
+        deleted = await asyncio.to_thread(
+            self._store.delete, self._tenant(context), request.memory_id
+        )
         return pb.DeleteMemoryResponse(deleted=deleted)
 
 
-def add_memory_service(server: grpc.aio.Server, store: MemoryStore, metrics: Metrics) -> None:
+def add_memory_service(
+    server: grpc.aio.Server, store: MemoryStore, metrics: Metrics, auth: Authenticator | None
+) -> None:
     """Serve ``MemoryService`` on ``server`` (before it starts)."""
-    pb_grpc.add_MemoryServiceServicer_to_server(MemoryServicer(store, metrics), server)
+    pb_grpc.add_MemoryServiceServicer_to_server(MemoryServicer(store, metrics, auth), server)

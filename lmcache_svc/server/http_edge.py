@@ -1,10 +1,14 @@
-"""What wraps every REST request: authentication, the body limit, metrics, error bodies.
+"""What wraps every REST request: authentication, body limits, metrics, error bodies.
 
 ``Edge`` is a pure ASGI middleware (outside routing, so it also covers ``/docs``, ``/metrics``
-and unknown paths). It checks the bearer token, refuses a declared ``Content-Length`` over
-the limit before anything is read, cuts off a body that grows past the limit while it is
-read (a missing or lying ``Content-Length`` gains nothing), counts and times each request
-under its route name, and turns an unexpected exception into a logged, generic 500.
+and unknown paths). It authenticates the bearer token into a ``Principal`` (kept in the
+scope for the handlers' tenant checks; ``principal``) and applies the route's policy (admin
+only, writes refused to read-only tokens). It refuses a declared ``Content-Length`` over the
+route's limit (``max_body_bytes`` for chunk bodies, ``max_json_bytes`` for everything else)
+before anything is read, cuts off a body that grows past it while it is read (a missing or
+lying ``Content-Length`` gains nothing), answers 408 and closes the connection when a body
+makes no progress for ``body_idle_timeout_s``, counts and times each request under its route
+name, and turns an unexpected exception into a logged, generic 500.
 
 Every error leaves as ``{"error": kind, "message": str}`` (``error_response``), its status
 chosen by ``server/status.py``; the kind is counted once, by ``Edge``, in ``errors``.
@@ -12,8 +16,10 @@ chosen by ``server/status.py``; the kind is counted once, by ``Edge``, in ``erro
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import Request, Response
@@ -24,17 +30,44 @@ from starlette.exceptions import HTTPException
 from starlette.routing import Match, Router
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from lmcache_svc.errors import LMCacheSvcError, PayloadTooLarge, Unauthenticated
+from lmcache_svc.errors import BodyTimeout, LMCacheSvcError, PayloadTooLarge, Unauthenticated
 from lmcache_svc.metrics import Metrics
-from lmcache_svc.server.auth import check_bearer
+from lmcache_svc.server.auth import OPEN, Principal
 from lmcache_svc.server.http_models import ErrorResponse
 from lmcache_svc.server.status import INTERNAL_KIND, error_kind, http_status
+from lmcache_svc.server.tokens import Authenticator
 
 log = logging.getLogger(__name__)
 
 OPEN_PATHS = frozenset({"/healthz", "/readyz"})
 """Paths served without authentication."""
 _ERROR_KIND_KEY = "lmcache_svc.error_kind"
+_PRINCIPAL_KEY = "lmcache_svc.principal"
+
+
+@dataclass(frozen=True, slots=True)
+class RoutePolicy:
+    """Route names (``http.py``'s endpoint names) with rules beyond "any valid token"."""
+
+    admin: frozenset[str]
+    """Need an admin token."""
+    write: frozenset[str]
+    """Refused to read-only tokens."""
+    chunk_body: frozenset[str]
+    """Take a chunk body (limit ``max_body_bytes``); every other body is JSON."""
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    max_body_bytes: int
+    max_json_bytes: int
+    body_idle_timeout_s: float | None = None
+
+
+def principal(scope: Scope) -> Principal:
+    """Who sent this request (set by ``Edge``; everyone is admin when auth is off)."""
+    found: Principal = scope.get(_PRINCIPAL_KEY, OPEN)
+    return found
 
 
 def content_length(headers: Headers) -> int | None:
@@ -79,44 +112,66 @@ async def on_http_error(request: Request, exc: Exception) -> Response:
 class _Exchange:
     """One request as ``Edge`` sees it: the body limit on receive, the status on send."""
 
-    def __init__(self, scope: Scope, receive: Receive, send: Send, max_body_bytes: int) -> None:
+    def __init__(self, scope: Scope, receive: Receive, send: Send) -> None:
         self.scope = scope
         self.headers = Headers(scope=scope)
         self.status = 500
         self.started = False
         self.too_large: PayloadTooLarge | None = None
+        self.stalled: BodyTimeout | None = None
         self._receive, self._send = receive, send
-        self._max_body_bytes = max_body_bytes
+        self._max_body_bytes = 0
+        self._what = "body"
+        self._idle_timeout_s: float | None = None
         self._num_received = 0
+        self._body_done = False
         self._replaced = False
+
+    def limit_body(self, max_bytes: int, what: str, idle_timeout_s: float | None) -> None:
+        self._max_body_bytes, self._what, self._idle_timeout_s = max_bytes, what, idle_timeout_s
 
     def check_declared_length(self) -> None:
         declared = content_length(self.headers)
         if declared is not None and declared > self._max_body_bytes:
             raise PayloadTooLarge(
-                f"body is {declared} bytes (Content-Length); this server "
+                f"{self._what} is {declared} bytes (Content-Length); this server "
                 f"accepts at most {self._max_body_bytes} bytes"
             )
 
+    @property
+    def refusal(self) -> LMCacheSvcError | None:
+        return self.too_large or self.stalled
+
     async def receive(self) -> Message:
-        """Pass the body through until it passes the limit, then act as if the client left."""
-        if self.too_large is not None:
+        """Pass the body through until it passes the limit or stalls, then act as if the
+        client left (the app stops reading; ``send`` answers 413 or 408 instead)."""
+        if self.refusal is not None:
             return {"type": "http.disconnect"}
-        message = await self._receive()
+        timeout_s = None if self._body_done else self._idle_timeout_s
+        try:
+            async with asyncio.timeout(timeout_s):
+                message = await self._receive()
+        except TimeoutError:
+            self.stalled = BodyTimeout(
+                f"the request body made no progress for {self._idle_timeout_s:g} s "
+                f"(received {self._num_received} bytes)"
+            )
+            return {"type": "http.disconnect"}
         if message["type"] == "http.request":
+            self._body_done = not message.get("more_body", False)
             self._num_received += len(message.get("body", b""))
             if self._num_received > self._max_body_bytes:
                 self.too_large = PayloadTooLarge(
-                    f"body is over {self._max_body_bytes} bytes, this server's limit (stopped "
-                    f"reading at {self._num_received} bytes)"
+                    f"{self._what} is over {self._max_body_bytes} bytes, this server's limit "
+                    f"(stopped reading at {self._num_received} bytes)"
                 )
                 return {"type": "http.disconnect"}
         return message
 
     async def send(self, message: Message) -> None:
-        """Forward the app's response, or replace it with 413 once the body went over."""
-        if self.too_large is not None and not self.started:
-            await self.respond(self.too_large)
+        """Forward the app's response, or replace it with 413/408 once the body was cut."""
+        if (refusal := self.refusal) is not None and not self.started:
+            await self.respond(refusal)
             self._replaced = True
         if self._replaced:
             return
@@ -133,14 +188,16 @@ class _Exchange:
             )
         if isinstance(exc, Unauthenticated):
             response.headers["WWW-Authenticate"] = "Bearer"
+        if exc is self.refusal:  # a body cut off unread: close rather than drain the rest
+            response.headers["Connection"] = "close"
         self.started, self.status = True, response.status_code
         await response(self.scope, self._receive, self._send)
 
 
 class Edge:
-    """ASGI middleware around every HTTP request: authentication, the body limit, request
-    metrics (``lmcache_svc_requests``, ``_request_latency_seconds``, ``_errors``) and the
-    last-resort 500 for unexpected exceptions."""
+    """ASGI middleware around every HTTP request: authentication and route policy, body
+    limits and the body idle timeout, request metrics (``lmcache_svc_requests``,
+    ``_request_latency_seconds``, ``_errors``) and the last-resort 500."""
 
     def __init__(
         self,
@@ -148,18 +205,25 @@ class Edge:
         *,
         router: Router,
         metrics: Metrics,
-        auth_token: str | None,
-        max_body_bytes: int,
+        auth: Authenticator | None,
+        policy: RoutePolicy,
+        limits: Limits,
     ) -> None:
         self.app, self.router, self.metrics = app, router, metrics
-        self.auth_token, self.max_body_bytes = auth_token, max_body_bytes
+        self.auth, self.policy, self.limits = auth, policy, limits
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        exchange = _Exchange(scope, receive, send, self.max_body_bytes)
+        exchange = _Exchange(scope, receive, send)
         method = _route_name(self.router, scope)
+        lim = self.limits
+        if method in self.policy.chunk_body:
+            exchange.limit_body(lim.max_body_bytes, "body", lim.body_idle_timeout_s)
+        else:
+            json_limit = min(lim.max_json_bytes, lim.max_body_bytes)
+            exchange.limit_body(json_limit, "JSON body", lim.body_idle_timeout_s)
         start = time.perf_counter()
         try:
             await self._serve(exchange, method)
@@ -172,7 +236,7 @@ class Edge:
     async def _serve(self, exchange: _Exchange, method: str) -> None:
         try:
             if exchange.scope["path"] not in OPEN_PATHS:
-                check_bearer(exchange.headers.get("authorization"), self.auth_token)
+                self._authorize(exchange, method)
             exchange.check_declared_length()
         except LMCacheSvcError as e:
             await exchange.respond(e)
@@ -180,14 +244,24 @@ class Edge:
         try:
             await self.app(exchange.scope, exchange.receive, exchange.send)
         except Exception as e:
-            if exchange.too_large is not None:  # the app choked on the cut-off body
+            if (refusal := exchange.refusal) is not None:  # the app choked on the cut body
                 if not exchange.started:
-                    await exchange.respond(exchange.too_large)
+                    await exchange.respond(refusal)
                 return
             log.exception("unexpected error in HTTP handler %s", method)
             if exchange.started:
                 raise
             await exchange.respond(e)
+
+    def _authorize(self, exchange: _Exchange, method: str) -> None:
+        if self.auth is None:
+            return
+        who = self.auth.authenticate(exchange.headers.get("authorization"))
+        exchange.scope[_PRINCIPAL_KEY] = who
+        if method in self.policy.admin:
+            who.check_admin(f"{exchange.scope['method']} {exchange.scope['path']}")
+        if method in self.policy.write:
+            who.check_write(f"{exchange.scope['method']} {exchange.scope['path']}")
 
 
 def _route_name(router: Router, scope: Scope) -> str:

@@ -21,7 +21,7 @@ from starlette.requests import ClientDisconnect
 from lmcache_svc.errors import InvalidArgument, NotFound, PayloadTooLarge
 from lmcache_svc.memories.format import MemoryInfo
 from lmcache_svc.memories.store import MemoryStore
-from lmcache_svc.server.http_edge import content_length
+from lmcache_svc.server.http_edge import content_length, principal
 from lmcache_svc.server.http_models import error_responses
 from lmcache_svc.server.tenancy import caller_tenant
 
@@ -62,7 +62,7 @@ def _store(request: Request) -> MemoryStore:
 
 
 def _tenant(request: Request) -> str:
-    return caller_tenant(request.headers.get("authorization"))
+    return caller_tenant(principal(request.scope))
 
 
 Store = Annotated[MemoryStore, Depends(_store)]

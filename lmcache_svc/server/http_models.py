@@ -49,9 +49,26 @@ class NamespaceModel(StrictModel):
         return Namespace.from_dict(self.model_dump())
 
 
+NAMESPACE_ID_PATTERN = "^[0-9a-fA-F]{32}$"
+CHUNK_HASH_PATTERN = "^[0-9a-fA-F]{64}$"
+
 TokenId = Annotated[StrictInt, Field(ge=0, le=2**32 - 1)]
-HexNamespaceId = Annotated[str, Field(description="namespace id, 32 hex characters")]
-HexChunkHash = Annotated[str, Field(description="chunk hash, 64 hex characters")]
+# The patterns document the format; the handlers parse ids and hashes themselves, so a bad
+# one is our 400 naming the field, not a 422.
+HexNamespaceId = Annotated[
+    str,
+    Field(
+        description="namespace id, 32 hex characters",
+        json_schema_extra={"pattern": NAMESPACE_ID_PATTERN},
+    ),
+]
+HexChunkHash = Annotated[
+    str,
+    Field(
+        description="chunk hash, 64 hex characters",
+        json_schema_extra={"pattern": CHUNK_HASH_PATTERN},
+    ),
+]
 
 
 class RegisterResponse(BaseModel):

@@ -25,12 +25,14 @@ from __future__ import annotations
 import grpc
 
 from lmcache_svc.errors import (
+    BodyTimeout,
     Conflict,
     InvalidArgument,
     LMCacheSvcError,
     NoSpace,
     NotFound,
     PayloadTooLarge,
+    PermissionDenied,
     SizeMismatch,
     TierError,
     TooManyNamespaces,
@@ -43,6 +45,7 @@ INTERNAL_KIND = "internal"
 _TABLE: tuple[tuple[type[LMCacheSvcError], grpc.StatusCode, int], ...] = (
     (UnknownNamespace, grpc.StatusCode.INVALID_ARGUMENT, 404),
     (SizeMismatch, grpc.StatusCode.INVALID_ARGUMENT, 400),
+    (BodyTimeout, grpc.StatusCode.DEADLINE_EXCEEDED, 408),
     (PayloadTooLarge, grpc.StatusCode.INVALID_ARGUMENT, 413),
     (InvalidArgument, grpc.StatusCode.INVALID_ARGUMENT, 400),
     (NotFound, grpc.StatusCode.NOT_FOUND, 404),
@@ -50,6 +53,7 @@ _TABLE: tuple[tuple[type[LMCacheSvcError], grpc.StatusCode, int], ...] = (
     (NoSpace, grpc.StatusCode.RESOURCE_EXHAUSTED, 507),
     (TooManyNamespaces, grpc.StatusCode.RESOURCE_EXHAUSTED, 507),
     (Unauthenticated, grpc.StatusCode.UNAUTHENTICATED, 401),
+    (PermissionDenied, grpc.StatusCode.PERMISSION_DENIED, 403),
     (TierError, grpc.StatusCode.UNAVAILABLE, 503),
 )
 

@@ -93,7 +93,8 @@ def serve() -> Iterator[Callable[..., Served]]:
     def start(cache: TieredCache | None = None, **kwargs: Any) -> Served:
         cache = cache or make_cache()
         kwargs.setdefault("max_body_bytes", MAX_BODY_BYTES)
-        server = make_uvicorn_server(create_app(cache, **kwargs), "127.0.0.1", 0)
+        limits = kwargs.pop("limits", None)
+        server = make_uvicorn_server(create_app(cache, **kwargs), "127.0.0.1", 0, limits)
         thread = threading.Thread(target=server.run, daemon=True)
         thread.start()
         deadline = time.monotonic() + 10
