@@ -2,17 +2,20 @@
 
 Unit tests import the plugin's vLLM-free modules straight from ``connectors/vllm`` (the
 test venv has torch but not vLLM). End-to-end tests (marked ``vllm``) run real engines
-with ``.venv-vllm``'s interpreter and skip, saying why, when that venv is missing.
+with ``.venv-vllm``'s interpreter and skip, saying why, when that venv is missing; they
+share one set of engines (``env``, see ``e2e.py``) for the whole session.
 """
 
 from __future__ import annotations
 
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from lmcache_svc.bench.vllm.engines import VLLM_PYTHON
+from tests.vllm.e2e import Env, start_env
 
 PLUGIN_DIR = Path(__file__).resolve().parents[2] / "connectors" / "vllm"
 if str(PLUGIN_DIR) not in sys.path:
@@ -22,3 +25,9 @@ if str(PLUGIN_DIR) not in sys.path:
 def require_vllm_venv() -> None:
     if not VLLM_PYTHON.exists():
         pytest.skip(f"{VLLM_PYTHON} is missing: run scripts/setup_vllm.sh first (CI does)")
+
+
+@pytest.fixture(scope="session")
+def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
+    require_vllm_venv()
+    yield from start_env(tmp_path_factory.mktemp("vllm-e2e"))

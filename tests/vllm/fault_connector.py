@@ -1,10 +1,12 @@
-"""The real connector plus one fault: SIGKILL the server between lookup and load.
+"""The real connector plus one fault: signal the server between lookup and load.
 
-Loaded by an engine in ``test_vllm.py`` as ``kv_connector_module_path: "fault_connector"``.
-When the file named by ``$LMCACHE_SVC_TEST_KILL_FILE`` holds a pid and this step has
-loads, the worker kills that process (the real server) right before the plugin leases the
+Loaded by engines in ``tests/vllm`` as ``kv_connector_module_path: "fault_connector"``.
+When the file named by ``$LMCACHE_SVC_TEST_KILL_FILE`` holds ``PID`` (SIGKILL) or
+``PID STOP`` (SIGSTOP: the server hangs, its sockets stay open) and this step has loads,
+the worker signals that process (the real server) right before the plugin leases the
 chunks: the scheduler already promised vLLM a hit, so the load must fail and vLLM must
-recompute. Nothing else differs from ``LMCacheSvcConnector``.
+recompute. The file is then renamed to ``*.done``. Nothing else differs from
+``LMCacheSvcConnector``.
 """
 
 from __future__ import annotations
@@ -30,21 +32,22 @@ class FaultInjectingConnector(LMCacheSvcConnector):
 def _kill_requested_process() -> None:
     path = Path(os.environ.get(KILL_FILE_ENV, "/nonexistent"))
     try:
-        pid = int(path.read_text())
-    except (OSError, ValueError):
+        request = path.read_text().split()
+        pid, stop = int(request[0]), request[1:] == ["STOP"]
+    except (OSError, ValueError, IndexError):
         return
     path.unlink()
-    os.kill(pid, signal.SIGKILL)
+    os.kill(pid, signal.SIGSTOP if stop else signal.SIGKILL)
+    gone = ("T", "t") if stop else ("Z", "X", "")
     deadline = time.monotonic() + 5.0
-    while time.monotonic() < deadline and _alive(pid):
+    while time.monotonic() < deadline and _state(pid) not in gone:
         time.sleep(0.01)
     path.with_suffix(".done").write_text(str(pid))
 
 
-def _alive(pid: int) -> bool:
-    """Running (not yet a zombie): its sockets may still answer."""
+def _state(pid: int) -> str:
+    """The process's state letter (R, S, T: stopped, Z: zombie); "" once it is gone."""
     try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
     except OSError:
-        return False
-    return state not in ("Z", "X")
+        return ""

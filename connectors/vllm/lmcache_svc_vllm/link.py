@@ -65,12 +65,17 @@ class ServerLink:
         self._down_until = 0.0
         self._retry_interval_s = config.retry_interval_s
         self._outage_logged = False
+        self._shm_mapped = False  # the segment was mapped here once: same host, use it
         self._warned: dict[str, float] = {}
         self._lock = threading.Lock()
 
     # -- guarded calls -------------------------------------------------------------------
 
-    def _guarded(self, what: str, call: Callable[[NamespaceId], T]) -> T | None:
+    def _guarded(
+        self, what: str, call: Callable[[NamespaceId], T], *, proves_up: bool = True
+    ) -> T | None:
+        """``proves_up=False``: a call that can succeed without reaching the server (it
+        neither ends an outage nor resets the back-off)."""
         if time.monotonic() < self._down_until:
             return None
         try:
@@ -85,6 +90,8 @@ class ServerLink:
             logger.exception("lmcache-svc %s failed unexpectedly", what)
             self._mark_down(what, e)
             return None
+        if not proves_up:
+            return result
         if self._outage_logged:
             logger.info("lmcache-svc server is reachable again (%s)", what)
             self._outage_logged = False
@@ -198,12 +205,24 @@ class ServerLink:
             self._guarded("release_load", lambda ns: self._client.release_load(lease))
 
     def _use_shm(self) -> bool | None:
-        """Whether bulk bytes go through the shared segment; None: the server is down."""
+        """Whether bulk bytes go through the shared segment; None: the server is down.
+
+        "No segment" also answers a server that is down (the client cannot tell), so it
+        proves nothing, and once the segment has been mapped here the answer stays yes: a
+        session that died with its server is reopened by the next prepare call, under its
+        deadline. Otherwise every retry against a dead server would reset the back-off and
+        copy the step's KV for an inline put that cannot succeed."""
         if self.is_down:
             return None
         if not self.config.use_shm:
             return False
-        return self._guarded("open_session", lambda ns: self._client.shm_available)
+        if self._shm_mapped:
+            return True
+        mapped = self._guarded(
+            "open_session", lambda ns: self._client.shm_available, proves_up=False
+        )
+        self._shm_mapped = bool(mapped)
+        return mapped
 
     def close(self) -> None:
         try:

@@ -5,8 +5,10 @@
 Commands, one JSON object per line on stdin; one JSON answer per line on the original
 stdout (everything vLLM prints goes to stderr):
 
-    {"op": "generate", "prompts": [[ids...], ...], "max_tokens": 8}
+    {"op": "generate", "prompts": [[ids...], ...], "max_tokens": 8, "margins": false}
         -> {"ok": true, "outputs": [{"token_ids": [...], "num_cached_tokens": n}], "elapsed_s": t}
+        with ``"margins": true`` each output also has ``"margins"``: per generated token,
+        its logprob minus the runner-up's (how far each greedy choice is from a tie).
     {"op": "ttft", "prompt": [ids...], "max_tokens": 8}
         -> {"ok": true, "ttft_s": t, "elapsed_s": t, "token_ids": [...], "num_cached_tokens": n}
         one request, streamed: ``ttft_s`` runs from handing the request to the engine
@@ -77,18 +79,33 @@ def _generate(llm: Any, cmd: dict[str, Any]) -> dict[str, Any]:
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    params = SamplingParams(temperature=0.0, max_tokens=int(cmd["max_tokens"]), ignore_eos=True)
+    margins = bool(cmd.get("margins"))
+    params = SamplingParams(
+        temperature=0.0,
+        max_tokens=int(cmd["max_tokens"]),
+        ignore_eos=True,
+        logprobs=2 if margins else None,
+    )
     prompts = [TokensPrompt(prompt_token_ids=list(p)) for p in cmd["prompts"]]
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - start
-    return {
-        "outputs": [
-            {"token_ids": list(o.outputs[0].token_ids), "num_cached_tokens": o.num_cached_tokens}
-            for o in outputs
-        ],
-        "elapsed_s": elapsed,
-    }
+    results = []
+    for o in outputs:
+        result: dict[str, Any] = {
+            "token_ids": list(o.outputs[0].token_ids),
+            "num_cached_tokens": o.num_cached_tokens,
+        }
+        if margins:
+            result["margins"] = [_margin(step) for step in o.outputs[0].logprobs]
+        results.append(result)
+    return {"outputs": results, "elapsed_s": elapsed}
+
+
+def _margin(step_logprobs: dict[int, Any]) -> float:
+    """Top-1 minus top-2 logprob of one generated token (0.0: a tie)."""
+    top = sorted((lp.logprob for lp in step_logprobs.values()), reverse=True)
+    return float(top[0] - top[1]) if len(top) > 1 else float("inf")
 
 
 def _ttft(llm: Any, cmd: dict[str, Any]) -> dict[str, Any]:

@@ -31,6 +31,12 @@ def _vllm_python() -> Path:
 
 VLLM_PYTHON = _vllm_python()
 STARTUP_TIMEOUT_S = 240.0
+# vLLM's CPU backend reserves one more core when any KV connector is configured: on a
+# 2-core machine an engine with a connector computes on two OpenMP threads and one without
+# on one, and the different reductions flip near-tied greedy tokens. Every engine started
+# here reserves one core (``env=`` can override it), so engines compared with each other
+# compute alike.
+SAME_COMPUTE_ENV = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "1"}
 REQUEST_TIMEOUT_S = 120.0
 
 
@@ -103,6 +109,7 @@ class EngineProc:
             args += ["--max-model-len", str(max_model_len)]
         run_env = {
             **os.environ,
+            **SAME_COMPUTE_ENV,
             "HF_HUB_OFFLINE": "1",
             "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib),
             "PYTHONPATH": os.pathsep.join(str(p) for p in [RUNNER.parent, *(python_path or [])]),
@@ -156,9 +163,17 @@ class EngineProc:
         self.proc.stdin.flush()
         return self._next_answer(timeout_s)
 
-    def generate(self, prompts: list[list[int]], max_tokens: int) -> list[dict[str, Any]]:
+    def generate(
+        self,
+        prompts: list[list[int]],
+        max_tokens: int,
+        *,
+        margins: bool = False,
+        timeout_s: float = REQUEST_TIMEOUT_S,
+    ) -> list[dict[str, Any]]:
+        """Greedy outputs; ``margins=True`` adds each token's top-1 minus top-2 logprob."""
         outputs: list[dict[str, Any]] = self.request(
-            op="generate", prompts=prompts, max_tokens=max_tokens
+            timeout_s, op="generate", prompts=prompts, max_tokens=max_tokens, margins=margins
         )["outputs"]
         return outputs
 

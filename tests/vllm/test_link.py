@@ -1,0 +1,95 @@
+"""The plugin's server link against a real server that dies (SIGKILL) or hangs (SIGSTOP).
+
+A down server must cost the engine one failed try per back-off period, the period doubling
+while the outage lasts; a try that never reached the server must not count as the server
+being back (which would reset the back-off and log "reachable again" once per retry).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Literal
+
+import pytest
+from lmcache_svc_vllm.config import ConnectorConfig
+from lmcache_svc_vllm.link import Reservation, ServerLink
+
+from lmcache_svc.bench.procs import start_server
+from lmcache_svc.keys import KVLayout, Namespace, chunk_hashes
+
+NAMESPACE = Namespace(
+    model="link-test",
+    layout=KVLayout("bfloat16", 2, 1, 32, 128, "vllm-cpu/BHNC"),
+    chunk_size=256,
+)
+HASHES = chunk_hashes(NAMESPACE, list(range(2000, 2000 + 2 * 256)))
+OUTAGE_S = 3.0
+# Tries in OUTAGE_S with a 0.1 s deadline and a pause of 0.05 s doubling per failure:
+# 0.15, 0.35, 0.65, 1.15, 2.05 s -> 5 (a pause that never grows: about 20 under SIGSTOP,
+# hundreds under SIGKILL).
+MAX_TRIES = 7
+
+
+@pytest.mark.parametrize("fault", ["kill", "stop"])
+def test_outage_backs_off_and_stays_on_shared_memory(
+    tmp_path: Path,
+    fault: Literal["kill", "stop"],
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    server = start_server(tmp_path)
+    config = ConnectorConfig(url=server.socket, rpc_timeout_ms=100, retry_interval_s=0.05)
+    link = ServerLink(config, NAMESPACE, "link-test")
+    try:
+        healthy = _reserve_when_up(link)
+        assert not healthy.inline and len(healthy.hashes) == 2
+        link.publish(healthy, abort=True)
+
+        tries = {"prepare_store": 0, "put": 0}
+        for name in tries:
+            _count_calls(monkeypatch, link._client, name, tries)
+        os.kill(server.proc.pid, signal.SIGKILL if fault == "kill" else signal.SIGSTOP)
+        caplog.set_level(logging.INFO, logger="vllm.lmcache_svc_vllm.link")
+        caplog.clear()
+        deadline = time.monotonic() + OUTAGE_S
+        while time.monotonic() < deadline:
+            assert link.reserve(HASHES, NAMESPACE.chunk_bytes) is None
+            time.sleep(0.005)
+
+        assert 1 <= tries["prepare_store"] <= MAX_TRIES, tries
+        assert tries["put"] == 0, "an outage turned shared-memory stores into inline puts"
+        messages = [r.getMessage() for r in caplog.records]
+        assert not [m for m in messages if "reachable again" in m], messages
+        assert len([m for m in messages if "unavailable" in m]) == 1, messages
+    finally:
+        link.close()
+        if server.proc.poll() is None:
+            os.kill(server.proc.pid, signal.SIGCONT)
+        server.cleanup()
+
+
+def _reserve_when_up(link: ServerLink) -> Reservation:
+    """The first calls (connect, map the segment) may outlast the short test deadline."""
+    deadline = time.monotonic() + 20
+    while (reservation := link.reserve(HASHES, NAMESPACE.chunk_bytes)) is None:
+        assert time.monotonic() < deadline, "the healthy server never took a reservation"
+        time.sleep(0.05)
+    return reservation
+
+
+def _count_calls(
+    monkeypatch: pytest.MonkeyPatch, client: Any, name: str, counts: dict[str, int]
+) -> None:
+    """Count the link's calls of ``client.<name>`` (the real method still runs)."""
+    real: Callable[..., Any] = getattr(client, name)
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        counts[name] += 1
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(client, name, counted)
