@@ -9,6 +9,14 @@ Moves: a chunk evicted from above is *demoted* to the first tier that accepts de
 does not hold it yet; a full tier evicts its own LRU chunk further down first. Reads for
 promotion are batched per tier. Backend failures are logged and counted, and behave as a
 miss: a broken lower tier never fails a request.
+
+Faults: every call to a tier goes through its ``CircuitBreaker``. After a failure or a
+timeout (or a lookup-sized call hung past ``TierPolicy.slow_call_s``) the tier is skipped:
+lookups and loads treat it as a miss, demotion moves on to the next tier, write-through and
+deletes leave it alone. After the backoff one call probes it; when a tier comes back from
+an outage its index is rebuilt in the background from what the tier holds (``scan``, then
+``contains_many`` for chunks known before), so a Redis that restarted empty (or with an
+older snapshot) is not believed to hold what it lost.
 """
 
 from __future__ import annotations
@@ -16,16 +24,25 @@ from __future__ import annotations
 import logging
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from itertools import islice
+from typing import TypeVar
 
-from lmcache_svc.errors import TierError
+from lmcache_svc.breaker import STATE_CODES, CircuitBreaker
+from lmcache_svc.errors import Corrupted, TierError
 from lmcache_svc.keys import ChunkKey
 from lmcache_svc.metrics import Metrics
 from lmcache_svc.policy import TierPolicy
 from lmcache_svc.tiers.base import Buffer, Tier
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+_RESYNC_BATCH = 1000
+_QUICK_OPS = frozenset({"contains", "size_of", "delete"})
+"""Calls that take one round trip on a healthy tier: the only ones the slow-call check
+watches (a large batch may legitimately take longer)."""
 
 
 @dataclass(slots=True)
@@ -33,17 +50,36 @@ class LowerTier:
     tier: Tier
     policy: TierPolicy
     index: OrderedDict[ChunkKey, int]
+    breaker: CircuitBreaker
 
 
 class LowerTiers:
     def __init__(self, tiers: Sequence[tuple[Tier, TierPolicy]], metrics: Metrics) -> None:
-        self._tiers = [LowerTier(t, p, OrderedDict(t.scan())) for t, p in tiers]
         self._metrics = metrics
         self._lock = threading.Lock()
+        self._tiers = [self._make(t, p) for t, p in tiers]
+        self._resyncing: set[str] = set()
+
+    def _make(self, tier: Tier, policy: TierPolicy) -> LowerTier:
+        trips = self._metrics.breaker_trips.labels(tier=tier.name)
+        breaker = CircuitBreaker(
+            base_backoff_s=policy.backoff_s,
+            max_backoff_s=policy.max_backoff_s,
+            slow_call_s=policy.slow_call_s,
+            on_trip=trips.inc,
+        )
+        self._metrics.breaker_state.labels(tier=tier.name).set_function(
+            lambda: STATE_CODES[breaker.state]
+        )
+        return LowerTier(tier, policy, OrderedDict(tier.scan()), breaker)
 
     @property
     def tiers(self) -> list[Tier]:
         return [lt.tier for lt in self._tiers]
+
+    @property
+    def has_shared(self) -> bool:
+        return any(lt.tier.shared for lt in self._tiers)
 
     @property
     def has_write_through(self) -> bool:
@@ -71,10 +107,8 @@ class LowerTiers:
                 break
             if not lt.tier.shared:
                 continue
-            try:
-                present = lt.tier.contains_many(rest)
-            except TierError as e:
-                self._failed(lt.tier, e)
+            present = self._call(lt, "contains", lambda: lt.tier.contains_many(rest), None)
+            if present is None:
                 continue
             num = next((i for i, p in enumerate(present) if not p), len(present))
             plan += [lt] * num
@@ -90,10 +124,9 @@ class LowerTiers:
             mine = [(i, key, out) for i, (key, src, out) in enumerate(items) if src is lt]
             if not mine:
                 continue
-            try:
-                results = lt.tier.read_many_into([(key, out) for _, key, out in mine])
-            except TierError as e:
-                self._failed(lt.tier, e)
+            batch = [(key, out) for _, key, out in mine]
+            results = self._call(lt, "read", lambda: lt.tier.read_many_into(batch), None)
+            if results is None:
                 results = [False] * len(mine)
             with self._lock:
                 for (i, key, out), good in zip(mine, results):
@@ -128,10 +161,10 @@ class LowerTiers:
                 continue
             with self._lock:
                 todo = [(k, v) for k, v in items if k not in lt.index]
-            try:
-                results = lt.tier.put_many(todo)
-            except TierError as e:
-                self._failed(lt.tier, e)
+            if not todo:
+                continue
+            results = self._call(lt, "write_through", lambda: lt.tier.put_many(todo), None)
+            if results is None:
                 continue
             for (key, view), stored in zip(todo, results):
                 if stored:
@@ -143,13 +176,12 @@ class LowerTiers:
         """Put into the tier at ``position``, evicting its LRU chunks while it is full."""
         lt = self._tiers[position]
         while True:
-            try:
-                if lt.tier.put(key, data):
-                    self._stored(lt, key, len(data))
-                    return True
-            except TierError as e:
-                self._failed(lt.tier, e)
-                return False
+            stored = self._call(lt, "put", lambda: lt.tier.put(key, data), None)
+            if stored is None:
+                return False  # down or failing: the caller moves on to the next tier
+            if stored:
+                self._stored(lt, key, len(data))
+                return True
             if not self._evict_one(position):
                 return False
 
@@ -165,14 +197,12 @@ class LowerTiers:
             if not lt.index:
                 return False
             key, size = lt.index.popitem(last=False)
-        try:
-            if any(x.policy.accept_demotions for x in self._tiers[position + 1 :]):
-                data = bytearray(size)
-                if lt.tier.read_into(key, memoryview(data)):
-                    self.demote(key, memoryview(data), below=position + 1)
-            lt.tier.delete(key)
-        except TierError as e:
-            self._failed(lt.tier, e)
+        if any(x.policy.accept_demotions for x in self._tiers[position + 1 :]):
+            data = memoryview(bytearray(size))
+            if self._call(lt, "read", lambda: lt.tier.read_into(key, data), False):
+                self.demote(key, data, below=position + 1)
+        if self._call(lt, "delete", lambda: lt.tier.delete(key), None) is None:
+            return False  # the tier is down: stop evicting from it
         self._metrics.evictions.labels(tier=lt.tier.name).inc()
         return True
 
@@ -184,11 +214,76 @@ class LowerTiers:
                 known = lt.index.pop(key, None) is not None
             if not (known or lt.tier.shared):
                 continue
-            try:
-                found = lt.tier.delete(key) > 0 or found
-            except TierError as e:
-                self._failed(lt.tier, e)
+            found = self._call(lt, "delete", lambda: lt.tier.delete(key), 0) > 0 or found
         return found
+
+    # -- faults ----------------------------------------------------------------------------
+
+    def _call(self, lt: LowerTier, op: str, fn: Callable[[], T], default: T) -> T:
+        """``fn()`` on the tier through its breaker; ``default`` when skipped or failed."""
+        if not lt.breaker.allow():
+            self._metrics.tier_skips.labels(tier=lt.tier.name, op=op).inc()
+            return default
+        try:
+            if op in _QUICK_OPS:
+                with lt.breaker.track():
+                    result = fn()
+            else:
+                result = fn()
+        except Corrupted as e:  # the tier answered; the bytes were bad (and are dropped)
+            self._failed(lt.tier, e)
+            self._answered(lt)
+            return default
+        except TierError as e:
+            self._failed(lt.tier, e)
+            lt.breaker.failure()
+            return default
+        self._answered(lt)
+        return result
+
+    def _answered(self, lt: LowerTier) -> None:
+        if lt.breaker.success():
+            log.warning("tier %s is back; rebuilding its index from what it holds", lt.tier.name)
+            self._start_resync(lt)
+
+    def _start_resync(self, lt: LowerTier) -> None:
+        with self._lock:
+            if lt.tier.name in self._resyncing:
+                return
+            self._resyncing.add(lt.tier.name)
+        threading.Thread(
+            target=self._resync, args=(lt,), name=f"lmcache-svc-resync-{lt.tier.name}", daemon=True
+        ).start()
+
+    def _resync(self, lt: LowerTier) -> None:
+        """Make the index agree with the tier after an outage: what ``scan`` finds, plus the
+        chunks known before that the tier confirms it still holds."""
+        try:
+            found = dict(lt.tier.scan())
+            with self._lock:
+                before = [k for k in lt.index if k not in found]
+            gone: list[ChunkKey] = []
+            it = iter(before)
+            while batch := list(islice(it, _RESYNC_BATCH)):
+                present = lt.tier.contains_many(batch)
+                gone += [k for k, p in zip(batch, present) if not p]
+            with self._lock:
+                for key in gone:
+                    lt.index.pop(key, None)
+                for key, size in found.items():
+                    if key not in lt.index:
+                        lt.index[key] = size
+            self._metrics.resyncs.labels(tier=lt.tier.name).inc()
+            log.info(
+                "tier %s resynced: %d chunks found, %d known chunks gone",
+                lt.tier.name, len(found), len(gone),
+            )  # fmt: skip
+        except TierError as e:
+            self._failed(lt.tier, e)
+            lt.breaker.failure()
+        finally:
+            with self._lock:
+                self._resyncing.discard(lt.tier.name)
 
     def _failed(self, tier: Tier, error: TierError) -> None:
         log.warning("tier %s failed: %s", tier.name, error)

@@ -62,7 +62,14 @@ def build_cache(config: Config) -> TieredCache:
                 key_prefix=r.key_prefix,
                 timeout_s=r.timeout_s,
             )
-            lower.append((redis, TierPolicy(r.accept_demotions, r.write_through)))
+            policy = TierPolicy(
+                r.accept_demotions,
+                r.write_through,
+                backoff_s=r.breaker_backoff_s,
+                max_backoff_s=r.breaker_max_backoff_s,
+                slow_call_s=r.slow_call_s,
+            )
+            lower.append((redis, policy))
     except BaseException:
         arena.close()
         for made, _ in lower:

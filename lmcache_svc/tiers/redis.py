@@ -22,9 +22,11 @@ caller's buffer, where redis-py's pure-Python parser copies each value several t
 fresh memory. Cluster redirections and dropped connections fall back to redis-py's ordinary
 commands, which reconnect and follow the cluster's topology.
 
-Failure: socket connect and read timeouts are ``timeout_s`` (redis-py retries a failed
-command once), so a dead or hung Redis costs a caller about 2 x ``timeout_s`` at most. Every
-redis-py or socket error becomes ``TierError`` naming the URL (password hidden) and operation.
+Failure: socket connect and read timeouts are ``timeout_s``. A dropped connection (Redis
+restarted) is retried once on a fresh connection; a timeout is not retried, so a hung Redis
+costs a caller one ``timeout_s`` (and the cache's circuit breaker, ``breaker.py``, stops
+sending it calls until a probe succeeds). Every redis-py or socket error becomes
+``TierError`` naming the URL (password hidden) and operation.
 """
 
 from __future__ import annotations
@@ -277,7 +279,9 @@ class RedisTier(Tier):
         options: dict[str, Any] = {
             "socket_timeout": self._timeout_s,
             "socket_connect_timeout": self._timeout_s,
-            "retry": Retry(NoBackoff(), 1),
+            # A dropped connection is worth one retry (a restarted Redis answers on a new
+            # one); a timeout is not: a hung Redis would cost every caller twice.
+            "retry": Retry(NoBackoff(), 1, supported_errors=(redis.ConnectionError,)),
             "health_check_interval": 0,
         }
         if self._cluster:
