@@ -185,6 +185,7 @@ class Service:
                 await http_task
             servicer.stop()
             await grpc_server.stop(grace=5)
+            servicer.close()
             cache.close()
             if cfg.socket is not None:
                 with contextlib.suppress(FileNotFoundError):

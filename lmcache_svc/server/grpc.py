@@ -120,7 +120,11 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
         return await loop.run_in_executor(self._pool, functools.partial(fn, *args, **kwargs))
 
     def stop(self) -> None:
+        """End the session streams; calls still draining keep their pools (``close``)."""
         self._stopping.set()
+
+    def close(self) -> None:
+        """After the gRPC server stopped: no call can arrive any more."""
         self._pool.shutdown(wait=False)
         self._arena_pool.shutdown(wait=False)
 
