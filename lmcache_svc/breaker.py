@@ -69,6 +69,13 @@ class CircuitBreaker:
         with self._lock:
             return self._backoff
 
+    def may_allow(self) -> bool:
+        """Whether ``allow()`` could let a call through now (changes nothing)."""
+        with self._lock:
+            return self._state == "closed" or (
+                self._state == "open" and self._clock() >= self._retry_at
+            )
+
     def allow(self) -> bool:
         """Whether a call may go to the tier now (the first call after the backoff probes)."""
         with self._lock:

@@ -179,10 +179,11 @@ class TieredCache:
         self, namespace_id: bytes, chunk_hashes: Sequence[bytes]
     ) -> LookupResult | None:
         """``lookup``'s answer when the in-memory indices give all of it, else ``None`` (a
-        shared tier would have to be asked). Never blocks on a lower tier."""
+        shared tier that is not marked down would have to be asked). Never blocks on a
+        lower tier."""
         keys = self._keys(namespace_id, chunk_hashes)
         tiers = self._locate_local(keys)
-        if len(tiers) < len(keys) and self._lower.has_shared:
+        if len(tiers) < len(keys) and self._lower.shared_in_use:
             return None
         return self._counted_lookup(keys, tiers)
 

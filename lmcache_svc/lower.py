@@ -78,8 +78,9 @@ class LowerTiers:
         return [lt.tier for lt in self._tiers]
 
     @property
-    def has_shared(self) -> bool:
-        return any(lt.tier.shared for lt in self._tiers)
+    def shared_in_use(self) -> bool:
+        """Whether a shared tier might be asked now (one is configured and not marked down)."""
+        return any(lt.tier.shared and lt.breaker.may_allow() for lt in self._tiers)
 
     @property
     def has_write_through(self) -> bool:

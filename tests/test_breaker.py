@@ -25,8 +25,9 @@ def test_a_failure_opens_it_until_a_probe_after_the_backoff_succeeds() -> None:
     assert breaker.allow() and breaker.state == "closed"
     breaker.failure()
     assert breaker.state == "open" and breaker.trips == 1
-    assert not breaker.allow()
+    assert not breaker.allow() and not breaker.may_allow()
     clock.now += 1.01
+    assert breaker.may_allow() and breaker.state == "open"
     assert breaker.allow()  # the probe
     assert breaker.state == "half_open" and not breaker.allow()  # one probe at a time
     assert breaker.success() is True  # recovered from an outage
