@@ -126,6 +126,7 @@ class TieredCache:
             try:
                 self.reap_expired()
                 self.evict_to_watermark()
+                self._lower.probe_down_tiers()
             except Exception:  # keep the thread alive; the error is logged and counted
                 log.exception("maintenance step failed")
                 self.metrics.errors.labels(kind="maintenance").inc()

@@ -13,7 +13,8 @@ miss: a broken lower tier never fails a request.
 Faults: every call to a tier goes through its ``CircuitBreaker``. After a failure or a
 timeout (or a lookup-sized call hung past ``TierPolicy.slow_call_s``) the tier is skipped:
 lookups and loads treat it as a miss, demotion moves on to the next tier, write-through and
-deletes leave it alone. After the backoff one call probes it; when a tier comes back from
+deletes leave it alone. After the backoff one call probes it (a request's, or the probe the
+maintenance thread starts, so a tier comes back without traffic); when a tier comes back from
 an outage its index is rebuilt in the background from what the tier holds (``scan``, then
 ``contains_many`` for chunks known before), so a Redis that restarted empty (or with an
 older snapshot) is not believed to hold what it lost.
@@ -27,20 +28,23 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from itertools import islice
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from lmcache_svc.breaker import STATE_CODES, CircuitBreaker
 from lmcache_svc.errors import Corrupted, TierError
-from lmcache_svc.keys import ChunkKey
+from lmcache_svc.keys import CHUNK_KEY_BYTES, ChunkKey
 from lmcache_svc.metrics import Metrics
 from lmcache_svc.policy import TierPolicy
 from lmcache_svc.tiers.base import Buffer, Tier
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+D = TypeVar("D")
 
 _RESYNC_BATCH = 1000
-_QUICK_OPS = frozenset({"contains", "size_of", "delete"})
+_QUICK_OPS = frozenset({"contains", "size_of", "delete", "probe"})
+_PROBE_KEY = ChunkKey(b"\0" * CHUNK_KEY_BYTES)
+"""Asked for by probes: present or not, an answer means the tier is reachable."""
 """Calls that take one round trip on a healthy tier: the only ones the slow-call check
 watches (a large batch may legitimately take longer)."""
 
@@ -59,6 +63,7 @@ class LowerTiers:
         self._lock = threading.Lock()
         self._tiers = [self._make(t, p) for t, p in tiers]
         self._resyncing: set[str] = set()
+        self._probing: set[str] = set()
 
     def _make(self, tier: Tier, policy: TierPolicy) -> LowerTier:
         trips = self._metrics.breaker_trips.labels(tier=tier.name)
@@ -108,7 +113,7 @@ class LowerTiers:
                 break
             if not lt.tier.shared:
                 continue
-            present = self._call(lt, "contains", lambda: lt.tier.contains_many(rest), None)
+            present = self._call(lt, "contains", None, lt.tier.contains_many, rest)
             if present is None:
                 continue
             num = next((i for i, p in enumerate(present) if not p), len(present))
@@ -126,7 +131,7 @@ class LowerTiers:
             if not mine:
                 continue
             batch = [(key, out) for _, key, out in mine]
-            results = self._call(lt, "read", lambda: lt.tier.read_many_into(batch), None)
+            results = self._call(lt, "read", None, lt.tier.read_many_into, batch)
             if results is None:
                 results = [False] * len(mine)
             with self._lock:
@@ -164,7 +169,7 @@ class LowerTiers:
                 todo = [(k, v) for k, v in items if k not in lt.index]
             if not todo:
                 continue
-            results = self._call(lt, "write_through", lambda: lt.tier.put_many(todo), None)
+            results = self._call(lt, "write_through", None, lt.tier.put_many, todo)
             if results is None:
                 continue
             for (key, view), stored in zip(todo, results):
@@ -177,7 +182,7 @@ class LowerTiers:
         """Put into the tier at ``position``, evicting its LRU chunks while it is full."""
         lt = self._tiers[position]
         while True:
-            stored = self._call(lt, "put", lambda: lt.tier.put(key, data), None)
+            stored = self._call(lt, "put", None, lt.tier.put, key, data)
             if stored is None:
                 return False  # down or failing: the caller moves on to the next tier
             if stored:
@@ -200,9 +205,9 @@ class LowerTiers:
             key, size = lt.index.popitem(last=False)
         if any(x.policy.accept_demotions for x in self._tiers[position + 1 :]):
             data = memoryview(bytearray(size))
-            if self._call(lt, "read", lambda: lt.tier.read_into(key, data), False):
+            if self._call(lt, "read", False, lt.tier.read_into, key, data):
                 self.demote(key, data, below=position + 1)
-        if self._call(lt, "delete", lambda: lt.tier.delete(key), None) is None:
+        if self._call(lt, "delete", None, lt.tier.delete, key) is None:
             return False  # the tier is down: stop evicting from it
         self._metrics.evictions.labels(tier=lt.tier.name).inc()
         return True
@@ -215,22 +220,22 @@ class LowerTiers:
                 known = lt.index.pop(key, None) is not None
             if not (known or lt.tier.shared):
                 continue
-            found = self._call(lt, "delete", lambda: lt.tier.delete(key), 0) > 0 or found
+            found = self._call(lt, "delete", 0, lt.tier.delete, key) > 0 or found
         return found
 
     # -- faults ----------------------------------------------------------------------------
 
-    def _call(self, lt: LowerTier, op: str, fn: Callable[[], T], default: T) -> T:
-        """``fn()`` on the tier through its breaker; ``default`` when skipped or failed."""
+    def _call(self, lt: LowerTier, op: str, default: D, fn: Callable[..., T], *args: Any) -> T | D:
+        """``fn(*args)`` on the tier through its breaker; ``default`` when skipped or failed."""
         if not lt.breaker.allow():
             self._metrics.tier_skips.labels(tier=lt.tier.name, op=op).inc()
             return default
         try:
             if op in _QUICK_OPS:
                 with lt.breaker.track():
-                    result = fn()
+                    result = fn(*args)
             else:
-                result = fn()
+                result = fn(*args)
         except Corrupted as e:  # the tier answered; the bytes were bad (and are dropped)
             self._failed(lt.tier, e)
             self._answered(lt)
@@ -241,6 +246,28 @@ class LowerTiers:
             return default
         self._answered(lt)
         return result
+
+    def probe_down_tiers(self) -> None:
+        """Probe each tier marked down whose backoff is over, on a thread of its own, so a
+        tier comes back (and its index is resynced) without waiting for traffic."""
+        for lt in self._tiers:
+            if lt.breaker.state != "open" or not lt.breaker.may_allow():
+                continue
+            with self._lock:
+                if lt.tier.name in self._probing:
+                    continue
+                self._probing.add(lt.tier.name)
+            threading.Thread(
+                target=self._probe, args=(lt,), name=f"lmcache-svc-probe-{lt.tier.name}",
+                daemon=True,
+            ).start()  # fmt: skip
+
+    def _probe(self, lt: LowerTier) -> None:
+        try:
+            self._call(lt, "probe", None, lt.tier.contains_many, [_PROBE_KEY])
+        finally:
+            with self._lock:
+                self._probing.discard(lt.tier.name)
 
     def _answered(self, lt: LowerTier) -> None:
         if lt.breaker.success():

@@ -118,7 +118,8 @@ class Worker:
         else:
             self.tally.add("mismatches")
             self.tally.mismatched.append(chunk_hash.hex())
-            self.tally.details.append(_describe(chunk_hash, chunk, self.ns.chunk_bytes, self.inline))
+            detail = _describe(chunk_hash, chunk, self.ns.chunk_bytes, self.inline)
+            self.tally.details.append(detail)
 
 
 def run(args: argparse.Namespace) -> None:

@@ -9,7 +9,7 @@ import pytest
 
 from lmcache_svc.bench.redis_procs import redis_server_path
 from lmcache_svc.bench.runner import run_benchmark
-from lmcache_svc.bench.soak import PHASES, OPS
+from lmcache_svc.bench.soak import OPS, PHASES
 from lmcache_svc.bench.soak_worker import Tally, Worker, content, prefix_hashes, soak_namespace
 
 

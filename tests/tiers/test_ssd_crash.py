@@ -31,7 +31,7 @@ def ssd_server(tmp_path: Path, ssd: Path) -> ServerProc:
 
 
 def store(server: ServerProc, first: int, num: int) -> list[bytes]:
-    hashes = chunk_hashes(NS, list(range(first * 256, (first + num) * 256)))
+    hashes = [bytes(h) for h in chunk_hashes(NS, list(range(first * 256, (first + num) * 256)))]
     with CacheClient(server.socket, timeout_s=30) as c:
         ns_id = c.register_namespace(NS)
         for i in range(0, num, 8):
@@ -61,7 +61,7 @@ def test_sigkill_during_write_through_serves_only_whole_chunks(tmp_path: Path) -
     first = ssd_server(tmp_path, ssd)
     try:
         durable = store(first, 0, 48)
-        wait_for("write-through of the first 48", lambda: tier_stats(first, "ssd")["num_chunks"] >= 48)
+        wait_for("write-through", lambda: tier_stats(first, "ssd")["num_chunks"] >= 48)
         # Heavy write-through in flight when the server is killed.
         stop = threading.Event()
         in_flight: list[bytes] = []
@@ -117,7 +117,8 @@ def test_sigterm_keeps_every_committed_chunk(tmp_path: Path) -> None:
     try:
         hashes = store(first, 0, 96)  # no wait: SIGTERM must finish the queued write-through
         with CacheClient(first.socket, timeout_s=30) as open_session:
-            open_session.store(open_session.register_namespace(NS), hashes[:1], [content(hashes[0])])
+            ns_id = open_session.register_namespace(NS)
+            open_session.store(ns_id, hashes[:1], [content(hashes[0])])
             assert first.stop() == 0  # its session stream ends while the server drains
         assert "Traceback" not in first.log(), first.log()[-3000:]
     finally:
