@@ -15,7 +15,8 @@ timeout (or a lookup-sized call hung past ``TierPolicy.slow_call_s``) the tier i
 lookups and loads treat it as a miss, demotion moves on to the next tier, write-through and
 deletes leave it alone. After the backoff one call probes it (a request's, or the probe the
 maintenance thread starts, so a tier comes back without traffic); when a tier comes back from
-an outage its index is rebuilt in the background from what the tier holds (``scan``, then
+an outage, or when its ``generation`` changed (a Redis restarted between two calls), its
+index is rebuilt in the background from what the tier holds (``scan``, then
 ``contains_many`` for chunks known before), so a Redis that restarted empty (or with an
 older snapshot) is not believed to hold what it lost.
 """
@@ -55,6 +56,7 @@ class LowerTier:
     policy: TierPolicy
     index: OrderedDict[ChunkKey, int]
     breaker: CircuitBreaker
+    generation: int = 0
 
 
 class LowerTiers:
@@ -76,7 +78,7 @@ class LowerTiers:
         self._metrics.breaker_state.labels(tier=tier.name).set_function(
             lambda: STATE_CODES[breaker.state]
         )
-        return LowerTier(tier, policy, OrderedDict(tier.scan()), breaker)
+        return LowerTier(tier, policy, OrderedDict(tier.scan()), breaker, tier.generation)
 
     @property
     def tiers(self) -> list[Tier]:
@@ -273,6 +275,9 @@ class LowerTiers:
         if lt.breaker.success():
             log.warning("tier %s is back; rebuilding its index from what it holds", lt.tier.name)
             self._start_resync(lt)
+        elif lt.tier.generation != lt.generation:
+            log.warning("tier %s was replaced (restarted); rebuilding its index", lt.tier.name)
+            self._start_resync(lt)
 
     def _start_resync(self, lt: LowerTier) -> None:
         with self._lock:
@@ -287,6 +292,7 @@ class LowerTiers:
         """Make the index agree with the tier after an outage: what ``scan`` finds, plus the
         chunks known before that the tier confirms it still holds."""
         try:
+            lt.generation = lt.tier.generation  # a later change resyncs again
             found = dict(lt.tier.scan())
             with self._lock:
                 before = [k for k in lt.index if k not in found]

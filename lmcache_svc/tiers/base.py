@@ -69,6 +69,9 @@ class Tier(ABC):
     shared: bool = False
     """True when other servers may add or remove chunks (Redis): the cache asks the tier on
     a local miss instead of trusting its own index."""
+    generation: int = 0
+    """Changes when the medium behind the tier was replaced (a Redis that restarted between
+    two calls, unnoticed by any failure): what the cache knew of its contents is stale."""
 
     @property
     @abstractmethod

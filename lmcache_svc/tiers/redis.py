@@ -23,7 +23,9 @@ fresh memory. Cluster redirections and dropped connections fall back to redis-py
 commands, which reconnect and follow the cluster's topology.
 
 Failure: socket connect and read timeouts are ``timeout_s``. A dropped connection (Redis
-restarted) is retried once on a fresh connection; a timeout is not retried, so a hung Redis
+restarted) is retried once on a fresh connection, whose handshake reads the server's
+``run_id``: a new one bumps ``generation`` (the cache then resyncs its index, even when no
+call failed). A timeout is not retried, so a hung Redis
 costs a caller one ``timeout_s`` (and the cache's circuit breaker, ``breaker.py``, stops
 sending it calls until a probe succeeds). Every redis-py or socket error becomes
 ``TierError`` naming the URL (password hidden) and operation.
@@ -104,6 +106,9 @@ class RedisTier(Tier):
         self._ledger = SizeLedger(capacity_bytes)
         self._connect_lock = threading.Lock()
         self._client_obj: Any = None
+        self._run_id: str | None = None
+        self._run_id_lock = threading.Lock()
+        self.generation = 0
         self._executor = ThreadPoolExecutor(num_connections, thread_name_prefix=f"{name}-io")
         self._closed = False
 
@@ -290,9 +295,26 @@ class RedisTier(Tier):
             self._raw_url,
             max_connections=2 * self._num_connections,
             timeout=self._timeout_s,
+            redis_connect_func=self._on_connect,
             **options,
         )
         return redis.Redis(connection_pool=pool)
+
+    def _on_connect(self, conn: Any) -> None:
+        """redis-py's handshake, then the server's ``run_id``: a new one means Redis restarted
+        (its contents may be gone), which bumps ``generation``."""
+        conn.on_connect()
+        conn.send_command("INFO", "server")
+        info = conn.read_response()
+        text = info.decode("ascii", "replace") if isinstance(info, bytes) else str(info)
+        run_id = next(
+            (line[7:].strip() for line in text.splitlines() if line.startswith("run_id:")), ""
+        )
+        with self._run_id_lock:
+            if run_id and run_id != self._run_id:
+                if self._run_id is not None:
+                    self.generation += 1
+                self._run_id = run_id
 
     def _node_clients(self) -> list[Any]:
         client = self._client

@@ -254,3 +254,26 @@ def test_redis_killed_and_restarted_comes_back_and_stats_match_redis(
         arena.join()
         probe.join()
         server.cleanup()
+
+
+def test_a_redis_restarted_between_calls_is_noticed(
+    tmp_path: Path, redis_factory: Callable[..., RedisProc]
+) -> None:
+    """No call fails (the restart happens while the server is idle, and a dropped connection
+    is retried): the new run_id alone must make the index follow the empty Redis."""
+    redis = redis_factory()
+    server = redis_server(tmp_path, redis)
+    try:
+        _store(server, 0, 10)
+        wait_for("write-through", lambda: _stats_agree(server, redis))
+        assert tier_stats(server, "redis")["num_chunks"] == 10
+        redis.stop()
+        redis = redis_factory(port=redis.port)
+        with CacheClient(server.socket, timeout_s=30) as c:  # one call that reaches Redis
+            ns_id = c.register_namespace(NS)
+            assert c.lookup(ns_id, hashes_for(70_000_000, 1)).num_hit_chunks == 0
+        wait_for("the stats to match the restarted Redis", lambda: _stats_agree(server, redis))
+        assert tier_stats(server, "redis")["num_chunks"] == 0
+        assert metric(server, "lmcache_svc_tier_breaker_trips_total", tier="redis") == 0
+    finally:
+        server.cleanup()
