@@ -96,16 +96,16 @@ class LowerTiers:
     # -- where chunks are ------------------------------------------------------------------
 
     def local_tier(self, key: ChunkKey) -> Tier | None:
-        """The first lower tier whose index holds the chunk."""
+        """The first lower tier in use (not marked down) whose index holds the chunk."""
         with self._lock:
-            return next((lt.tier for lt in self._tiers if key in lt.index), None)
+            return next((lt.tier for lt in self._tiers if key in lt.index and _up(lt)), None)
 
     def sources(self, keys: Sequence[ChunkKey]) -> list[LowerTier]:
         """The tier to read each chunk of the longest prefix of ``keys`` found below."""
         plan: list[LowerTier] = []
         with self._lock:
             for key in keys:
-                lt = next((lt for lt in self._tiers if key in lt.index), None)
+                lt = next((lt for lt in self._tiers if key in lt.index and _up(lt)), None)
                 if lt is None:
                     break
                 plan.append(lt)
@@ -327,3 +327,8 @@ class LowerTiers:
     def close(self) -> None:
         for lt in self._tiers:
             lt.tier.close()
+
+
+def _up(lt: LowerTier) -> bool:
+    """Not marked down: a tier whose breaker is open or probing counts as a miss."""
+    return lt.breaker.state == "closed"

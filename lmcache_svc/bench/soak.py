@@ -5,6 +5,9 @@ tier; a Redis tier on a redis-server the run starts itself) serves ``clients`` w
 processes (``soak_worker.py``: shared-memory and inline gRPC clients, every chunk's bytes a
 pattern of its hash, every load verified on the spot). The run is split into equal phases:
 
+Each client mixes stores, loads, lookups and deletes (3:4:2:1; deletes keep stores writing
+new chunks once the key space has been stored).
+
 - ``steady``: traffic only;
 - ``client-kill``: store-only clients SIGKILLed every 1.5-3 s, mostly mid-store;
 - ``redis-outage``: redis-server SIGSTOPped (hung), resumed, then SIGKILLed and restarted
@@ -39,7 +42,9 @@ from lmcache_svc.bench.soak_worker import content, prefix_hashes, soak_namespace
 from lmcache_svc.client import CacheClient
 
 PHASES = ("steady", "client-kill", "redis-outage", "server-restart", "recovered")
-OPS = ("store", "load", "lookup")
+OPS = ("store", "load", "lookup", "delete")
+COLUMNS = ["phase", "s", "stores", "loads", "lookups", "deletes", "errors", "MiB verified",
+           "mismatches"]  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -217,7 +222,7 @@ def _report(
     table = report.table(
         f"Operations per phase ({p.clients} clients, {p.minutes:g} min, key space "
         f"{p.key_space} x 4 chunks of 64 KiB)",
-        ["phase", "s", "stores", "loads", "lookups", "errors", "MiB verified", "mismatches"],
+        COLUMNS,
     )
     mismatches = totals["final"]["mismatches"]
     errors_by_kind: Counter[str] = Counter()
@@ -231,7 +236,7 @@ def _report(
                   sum(errors.values()), counts.get("bytes_verified", 0) / 2**20,
                   counts.get("mismatches", 0))  # fmt: skip
     final = totals["final"]
-    table.add("final check", "", 0, final["chunks"], 0, 0, final["bytes_verified"] / 2**20,
+    table.add("final check", "", 0, final["chunks"], 0, 0, 0, final["bytes_verified"] / 2**20,
               final["mismatches"])  # fmt: skip
     table.notes += [
         "errors by kind: " + (", ".join(f"{k} {v}" for k, v in errors_by_kind.most_common())

@@ -26,6 +26,8 @@ import numpy as np
 from lmcache_svc.client import CacheClient
 from lmcache_svc.keys import KVLayout, Namespace, chunk_hashes
 
+_OPS = ("store", "load", "lookup", "delete")
+_WEIGHTS = (3, 4, 2, 1)
 CHUNKS_PER_PREFIX = 4
 TOKENS_PER_PREFIX = 4096  # distinct token ranges per prefix id
 
@@ -90,7 +92,7 @@ class Worker:
 
     def step(self) -> None:
         hashes = prefix_hashes(self.ns, self.rng.randrange(self.key_space))
-        op = "store" if self.store_only else self.rng.choice(("store", "load", "load", "lookup"))
+        op = "store" if self.store_only else self.rng.choices(_OPS, _WEIGHTS)[0]
         if op == "store":
             data = [content(h, self.ns.chunk_bytes) for h in hashes]
             if self.inline:
@@ -101,8 +103,10 @@ class Worker:
             for h, chunk in zip(hashes, self._load(hashes)):
                 if chunk is not None:
                     self.verify(h, chunk)
-        else:
+        elif op == "lookup":
             self.client.lookup(self.ns_id, hashes)
+        else:  # keeps stores writing new chunks once the whole key space has been stored
+            self.client.delete(self.ns_id, hashes)
         self.tally.add(op)
 
     def _load(self, hashes: list[bytes]) -> list[bytes | None]:
