@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -59,3 +60,26 @@ def test_short_soak_serves_no_wrong_bytes_through_every_fault(tmp_path: Path) ->
             "server SIGTERM"} <= events  # fmt: skip
     assert data["totals"]["final"]["chunks"] > 0
     assert "| final check |" in (tmp_path / "soak.md").read_text()
+
+
+def test_cli_passes_minutes_and_exits_1_on_a_failed_check(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import lmcache_svc.bench.runner as runner
+    from lmcache_svc.bench.report import Report
+    from lmcache_svc.cli import main
+
+    seen: dict[str, str] = {}
+
+    def finished(name: str, **kwargs: Any) -> Report:
+        seen.update(kwargs["options"])
+        report = Report(name, "full")
+        report.data["failed"] = outcome
+        return report
+
+    monkeypatch.setattr(runner, "run_benchmark", finished)
+    outcome = False
+    assert main(["bench", "soak", "--minutes", "2", "--out", str(tmp_path)]) == 0
+    assert seen == {"minutes": "2.0"}
+    outcome = True
+    assert main(["bench", "soak", "--out", str(tmp_path)]) == 1
