@@ -277,3 +277,32 @@ def test_a_redis_restarted_between_calls_is_noticed(
         assert metric(server, "lmcache_svc_tier_breaker_trips_total", tier="redis") == 0
     finally:
         server.cleanup()
+
+
+def test_chunks_only_in_a_tier_marked_down_are_misses(
+    tmp_path: Path, redis_factory: Callable[..., RedisProc]
+) -> None:
+    """A lookup must not promise chunks a load cannot get while their tier is down."""
+    redis = redis_factory()
+    server = start_server(
+        tmp_path, "--cpu-bytes", "1MiB", "--redis-url", redis.url,
+        env={"LMCACHE_SVC_REDIS__TIMEOUT_S": "1", "LMCACHE_SVC_REDIS__BREAKER_BACKOFF_S": "60",
+             "LMCACHE_SVC_REDIS__BREAKER_MAX_BACKOFF_S": "60"},
+    )  # fmt: skip
+    try:
+        hashes = hashes_for(0, 24)  # 24 x 64 KiB through a 1 MiB arena: the first evicted
+        with CacheClient(server.socket, timeout_s=30) as c:
+            ns_id = c.register_namespace(NS)
+            for i, h in enumerate(hashes):
+                assert c.store(ns_id, [h], [make_chunk(i)]) == 1
+            assert c.lookup(ns_id, hashes[:1]).tiers == ["redis"]
+            redis.stop()
+            assert c.lookup(ns_id, hashes_for(80_000_000, 1)).num_hit_chunks == 0  # trips it
+            wait_for(
+                "the breaker to trip",
+                lambda: metric(server, "lmcache_svc_tier_breaker_state", tier="redis") == 1,
+            )
+            assert c.lookup(ns_id, hashes[:1]).num_hit_chunks == 0
+            assert c.load(ns_id, hashes[:1]) == []
+    finally:
+        server.cleanup()
