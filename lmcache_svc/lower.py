@@ -16,9 +16,9 @@ lookups and loads treat it as a miss, demotion moves on to the next tier, write-
 deletes leave it alone. After the backoff one call probes it (a request's, or the probe the
 maintenance thread starts, so a tier comes back without traffic); when a tier comes back from
 an outage, or when its ``generation`` changed (a Redis restarted between two calls), its
-index is rebuilt in the background from what the tier holds (``scan``, then
-``contains_many`` for chunks known before), so a Redis that restarted empty (or with an
-older snapshot) is not believed to hold what it lost.
+index and accounting are rebuilt in the background from what the tier holds
+(``Tier.rescan``), so a Redis that restarted empty (or with an older snapshot) is not
+believed to hold what it lost.
 """
 
 from __future__ import annotations
@@ -28,7 +28,6 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from itertools import islice
 from typing import Any, TypeVar
 
 from lmcache_svc.breaker import STATE_CODES, CircuitBreaker
@@ -42,12 +41,11 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 D = TypeVar("D")
 
-_RESYNC_BATCH = 1000
 _QUICK_OPS = frozenset({"contains", "size_of", "delete", "probe"})
-_PROBE_KEY = ChunkKey(b"\0" * CHUNK_KEY_BYTES)
-"""Asked for by probes: present or not, an answer means the tier is reachable."""
 """Calls that take one round trip on a healthy tier: the only ones the slow-call check
 watches (a large batch may legitimately take longer)."""
+_PROBE_KEY = ChunkKey(b"\0" * CHUNK_KEY_BYTES)
+"""Asked for by probes: present or not, an answer means the tier is reachable."""
 
 
 @dataclass(slots=True)
@@ -289,28 +287,23 @@ class LowerTiers:
         ).start()
 
     def _resync(self, lt: LowerTier) -> None:
-        """Make the index agree with the tier after an outage: what ``scan`` finds, plus the
-        chunks known before that the tier confirms it still holds."""
+        """Make the index (and the tier's accounting) agree with what the tier holds after an
+        outage: exactly what ``rescan`` finds, known chunks keeping their LRU order. A chunk
+        written during the scan that the scan missed leaves the index; for a shared tier a
+        local miss is still confirmed with the tier, so it is found anyway."""
         try:
             lt.generation = lt.tier.generation  # a later change resyncs again
-            found = dict(lt.tier.scan())
+            found = dict(lt.tier.rescan())
             with self._lock:
-                before = [k for k in lt.index if k not in found]
-            gone: list[ChunkKey] = []
-            it = iter(before)
-            while batch := list(islice(it, _RESYNC_BATCH)):
-                present = lt.tier.contains_many(batch)
-                gone += [k for k, p in zip(batch, present) if not p]
-            with self._lock:
-                for key in gone:
-                    lt.index.pop(key, None)
+                gone = sum(1 for k in lt.index if k not in found)
+                index = OrderedDict((k, found[k]) for k in lt.index if k in found)
                 for key, size in found.items():
-                    if key not in lt.index:
-                        lt.index[key] = size
+                    index.setdefault(key, size)
+                lt.index = index
             self._metrics.resyncs.labels(tier=lt.tier.name).inc()
             log.info(
                 "tier %s resynced: %d chunks found, %d known chunks gone",
-                lt.tier.name, len(found), len(gone),
+                lt.tier.name, len(found), gone,
             )  # fmt: skip
         except TierError as e:
             self._failed(lt.tier, e)

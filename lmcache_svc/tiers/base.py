@@ -105,6 +105,11 @@ class Tier(ABC):
         """Chunks already stored when the server starts, least recently used first."""
         return iter(())
 
+    def rescan(self) -> Iterator[tuple[ChunkKey, int]]:
+        """``scan`` after the medium may have changed behind the tier's back (an outage, a
+        restart): a tier with its own accounting rebuilds it from what it finds."""
+        return self.scan()
+
     def get(self, key: ChunkKey) -> bytes | None:
         size = self.size_of(key)
         if size is None:

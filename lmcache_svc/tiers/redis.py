@@ -228,12 +228,23 @@ class RedisTier(Tier):
     def scan(self) -> Iterator[tuple[ChunkKey, int]]:
         """Chunks under ``key_prefix`` on every master, in Redis's SCAN order (Redis keeps no
         cheap global LRU order); each is added to this tier's accounting as it is yielded."""
+        return self._scan_into(self._ledger)
+
+    def rescan(self) -> Iterator[tuple[ChunkKey, int]]:
+        """``scan`` into fresh accounting that then replaces the old one, as at start-up: a
+        Redis that restarted (or lost keys) is counted for what it holds now."""
+        fresh = SizeLedger(self.capacity_bytes)
+        found = list(self._scan_into(fresh))
+        self._ledger = fresh
+        return iter(found)
+
+    def _scan_into(self, ledger: SizeLedger) -> Iterator[tuple[ChunkKey, int]]:
         pattern = glob_escape(self._prefix) + b"*"
         with self._errors("scan"):
             for client in self._node_clients():
                 keys = client.scan_iter(match=pattern, count=_SCAN_COUNT)
                 while batch := list(islice(keys, _SCAN_COUNT)):
-                    yield from self._scan_sizes(client, batch)
+                    yield from self._scan_sizes(client, batch, ledger)
 
     def close(self) -> None:
         if self._closed:
@@ -328,14 +339,16 @@ class RedisTier(Tier):
             return client.connection_pool
         return client.get_redis_connection(client.get_node_from_key(rkey)).connection_pool
 
-    def _scan_sizes(self, client: Any, rkeys: list[bytes]) -> Iterator[tuple[ChunkKey, int]]:
+    def _scan_sizes(
+        self, client: Any, rkeys: list[bytes], ledger: SizeLedger
+    ) -> Iterator[tuple[ChunkKey, int]]:
         pipe = client.pipeline(transaction=False)
         for rkey in rkeys:
             pipe.strlen(rkey)
         for rkey, value_size in zip(rkeys, pipe.execute()):
             key = self._key_of(rkey)
             if key is not None and value_size >= HEADER.size:
-                self._ledger.record(key, value_size - HEADER.size)
+                ledger.record(key, value_size - HEADER.size)
                 yield key, value_size - HEADER.size
 
     def _discard(self, key: ChunkKey) -> None:
