@@ -132,6 +132,7 @@ class TieredCache:
             try:
                 self.reap_expired()
                 self.evict_to_watermark()
+                self._lower.probe_down_tiers()
             except Exception:  # keep the thread alive; the error is logged and counted
                 log.exception("maintenance step failed")
                 self.metrics.errors.labels(kind="maintenance").inc()
@@ -196,7 +197,31 @@ class TieredCache:
     def lookup(self, namespace_id: bytes, chunk_hashes: Sequence[bytes]) -> LookupResult:
         """Longest contiguous prefix of the chunks present in any tier, and where each is."""
         keys = self._keys(namespace_id, chunk_hashes)
-        tiers = self._locate(keys)
+        tiers = self._locate_local(keys)
+        rest = keys[len(tiers) :]
+        if rest:
+            tiers += [lt.tier.name for lt in self._lower.sources(rest)]
+        return self._counted_lookup(keys, tiers)
+
+    def lookup_local(
+        self, namespace_id: bytes, chunk_hashes: Sequence[bytes]
+    ) -> LookupResult | None:
+        """``lookup``'s answer when the in-memory indices give all of it, else ``None`` (a
+        shared tier that is not marked down would have to be asked). Never blocks on a
+        lower tier."""
+        keys = self._keys(namespace_id, chunk_hashes)
+        tiers = self._locate_local(keys)
+        if len(tiers) < len(keys) and self._lower.shared_in_use:
+            return None
+        return self._counted_lookup(keys, tiers)
+
+    def first_tier_holds(self, namespace_id: bytes, chunk_hashes: Sequence[bytes]) -> bool:
+        """Whether every chunk is readable in the first tier now (a load needs no lower tier)."""
+        keys = self._keys(namespace_id, chunk_hashes)
+        with self._lock:
+            return all(self._index.readable(key) for key in keys)
+
+    def _counted_lookup(self, keys: list[ChunkKey], tiers: list[str]) -> LookupResult:
         self.metrics.lookup_chunks.inc(len(keys))
         self.metrics.lookup_hit_chunks.inc(len(tiers))
         self.metrics.misses.inc(len(keys) - len(tiers))
@@ -204,7 +229,8 @@ class TieredCache:
             self.metrics.hits.labels(tier=name).inc(num)
         return LookupResult(len(tiers), tiers)
 
-    def _locate(self, keys: list[ChunkKey]) -> list[str]:
+    def _locate_local(self, keys: list[ChunkKey]) -> list[str]:
+        """Where each chunk of the longest prefix known to the in-memory indices is."""
         found: list[str] = []
         with self._lock:
             for key in keys:
@@ -215,9 +241,6 @@ class TieredCache:
                 if tier is None:
                     break
                 found.append(tier.name)
-        rest = keys[len(found) :]
-        if rest:
-            found += [lt.tier.name for lt in self._lower.sources(rest)]
         return found
 
     # -- store -----------------------------------------------------------------------------

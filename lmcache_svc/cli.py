@@ -70,6 +70,9 @@ def _add_bench(sub: Any) -> None:
     bench.add_argument("--out", default="bench-results", help="directory for JSON, markdown, PNG")
     bench.add_argument("--keep-work", action="store_true", help="keep the scratch directory")
     bench.add_argument(
+        "--minutes", type=float, help="length of the run (soak; same as --set minutes=N)"
+    )
+    bench.add_argument(
         "--set",
         action="append",
         default=[],
@@ -137,8 +140,10 @@ def _bench(args: argparse.Namespace) -> int:
             print(f"lmcache-svc bench: --set wants KEY=VALUE, got {item!r}", file=sys.stderr)
             return 2
         options[key] = value
+    if args.minutes is not None:
+        options["minutes"] = str(args.minutes)
     names = list(BENCHMARKS) if "all" in args.names else args.names
-    missed = 0
+    missed = failed = 0
     for name in names:
         report = run_benchmark(
             name,
@@ -149,8 +154,12 @@ def _bench(args: argparse.Namespace) -> int:
         )
         print(report.to_markdown(), flush=True)
         missed += sum(not t.met for t in report.targets)
+        failed += bool(report.data.get("failed"))
     if missed:
         print(f"{missed} target(s) missed: see the reports in {args.out}", file=sys.stderr)
+    if failed:  # a correctness check failed (soak: wrong bytes served), not a speed target
+        print(f"{failed} benchmark(s) failed a correctness check", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -96,6 +96,14 @@ class RedisConfig(_Section):
     """Prefix of every Redis key this tier writes."""
     timeout_s: float = Field(2.0, gt=0, le=60)
     """Socket timeout of every Redis call: a dead Redis is a miss, never a hang."""
+    breaker_backoff_s: float = Field(0.5, gt=0, le=3600)
+    """After a failed or timed-out call, Redis is skipped (a miss) this long before one probe
+    call; each failed probe doubles it."""
+    breaker_max_backoff_s: float = Field(30.0, gt=0, le=3600)
+    """Cap of the doubled backoff."""
+    slow_call_s: float = Field(1.0, gt=0, le=60)
+    """A lookup-sized Redis call in flight this long marks Redis down for every other caller
+    (a hung Redis answers nothing until timeout_s)."""
     accept_demotions: bool = True
     """Chunks evicted from the tiers above move here (when not already written through)."""
     write_through: bool = True
@@ -103,6 +111,11 @@ class RedisConfig(_Section):
 
     @model_validator(mode="after")
     def _check_url(self) -> RedisConfig:
+        if self.breaker_backoff_s > self.breaker_max_backoff_s:
+            raise ValueError(
+                f"breaker_backoff_s ({self.breaker_backoff_s}) must not exceed "
+                f"breaker_max_backoff_s ({self.breaker_max_backoff_s})"
+            )
         if self.url is not None and not self.url.startswith(("redis://", "rediss://", "unix://")):
             raise ValueError(
                 f"url must start with redis://, rediss:// or unix://, got {self.url!r}"

@@ -14,6 +14,16 @@ The indices follow each batch item by item (``Tier.put_many``/``read_many_into``
 every item): a chunk the tier stored is indexed, one it refused is not, one it could not
 read stays indexed unless the tier dropped it (absent, or ``Corrupted``), and one it failed
 to delete goes back into the index. So every chunk a tier counts stays evictable.
+
+Faults: every call to a tier goes through its ``CircuitBreaker``. After a failure or a
+timeout (or a lookup-sized call hung past ``TierPolicy.slow_call_s``) the tier is skipped:
+lookups and loads treat it as a miss, demotion moves on to the next tier, write-through and
+deletes leave it alone. After the backoff one call probes it (a request's, or the probe the
+maintenance thread starts, so a tier comes back without traffic); when a tier comes back from
+an outage, or when its ``generation`` changed (a Redis restarted between two calls), its
+index and accounting are rebuilt in the background from what the tier holds
+(``Tier.rescan``), so a Redis that restarted empty (or with an older snapshot) is not
+believed to hold what it lost.
 """
 
 from __future__ import annotations
@@ -21,16 +31,26 @@ from __future__ import annotations
 import logging
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
+from lmcache_svc.breaker import STATE_CODES, CircuitBreaker
 from lmcache_svc.errors import Corrupted, TierError
-from lmcache_svc.keys import ChunkKey
+from lmcache_svc.keys import CHUNK_KEY_BYTES, ChunkKey
 from lmcache_svc.metrics import Metrics
 from lmcache_svc.policy import TierPolicy
 from lmcache_svc.tiers.base import Buffer, Failed, ItemResult, Tier
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
+D = TypeVar("D")
+
+_QUICK_OPS = frozenset({"contains", "size_of", "delete", "probe"})
+"""Calls that take one round trip on a healthy tier: the only ones the slow-call check
+watches (a large batch may legitimately take longer)."""
+_PROBE_KEY = ChunkKey(b"\0" * CHUNK_KEY_BYTES)
+"""Asked for by probes: present or not, an answer means the tier is reachable."""
 
 
 @dataclass(slots=True)
@@ -38,17 +58,39 @@ class LowerTier:
     tier: Tier
     policy: TierPolicy
     index: OrderedDict[ChunkKey, int]
+    breaker: CircuitBreaker
+    generation: int = 0
 
 
 class LowerTiers:
     def __init__(self, tiers: Sequence[tuple[Tier, TierPolicy]], metrics: Metrics) -> None:
-        self._tiers = [LowerTier(t, p, OrderedDict(t.scan())) for t, p in tiers]
         self._metrics = metrics
         self._lock = threading.Lock()
+        self._tiers = [self._make(t, p) for t, p in tiers]
+        self._resyncing: set[str] = set()
+        self._probing: set[str] = set()
+
+    def _make(self, tier: Tier, policy: TierPolicy) -> LowerTier:
+        trips = self._metrics.breaker_trips.labels(tier=tier.name)
+        breaker = CircuitBreaker(
+            base_backoff_s=policy.backoff_s,
+            max_backoff_s=policy.max_backoff_s,
+            slow_call_s=policy.slow_call_s,
+            on_trip=trips.inc,
+        )
+        self._metrics.breaker_state.labels(tier=tier.name).set_function(
+            lambda: STATE_CODES[breaker.state]
+        )
+        return LowerTier(tier, policy, OrderedDict(tier.scan()), breaker, tier.generation)
 
     @property
     def tiers(self) -> list[Tier]:
         return [lt.tier for lt in self._tiers]
+
+    @property
+    def shared_in_use(self) -> bool:
+        """Whether a shared tier might be asked now (one is configured and not marked down)."""
+        return any(lt.tier.shared and lt.breaker.may_allow() for lt in self._tiers)
 
     @property
     def has_write_through(self) -> bool:
@@ -57,16 +99,16 @@ class LowerTiers:
     # -- where chunks are ------------------------------------------------------------------
 
     def local_tier(self, key: ChunkKey) -> Tier | None:
-        """The first lower tier whose index holds the chunk."""
+        """The first lower tier in use (not marked down) whose index holds the chunk."""
         with self._lock:
-            return next((lt.tier for lt in self._tiers if key in lt.index), None)
+            return next((lt.tier for lt in self._tiers if key in lt.index and _up(lt)), None)
 
     def sources(self, keys: Sequence[ChunkKey]) -> list[LowerTier]:
         """The tier to read each chunk of the longest prefix of ``keys`` found below."""
         plan: list[LowerTier] = []
         with self._lock:
             for key in keys:
-                lt = next((lt for lt in self._tiers if key in lt.index), None)
+                lt = next((lt for lt in self._tiers if key in lt.index and _up(lt)), None)
                 if lt is None:
                     break
                 plan.append(lt)
@@ -76,10 +118,8 @@ class LowerTiers:
                 break
             if not lt.tier.shared:
                 continue
-            try:
-                present = lt.tier.contains_many(rest)
-            except TierError as e:
-                self._failed(lt.tier, e)
+            present = self._call(lt, "contains", None, lt.tier.contains_many, rest)
+            if present is None:
                 continue
             num = next((i for i, p in enumerate(present) if not p), len(present))
             plan += [lt] * num
@@ -95,7 +135,10 @@ class LowerTiers:
             mine = [(i, key, out) for i, (key, src, out) in enumerate(items) if src is lt]
             if not mine:
                 continue
-            results = lt.tier.read_many_into([(key, out) for _, key, out in mine])
+            batch = [(key, out) for _, key, out in mine]
+            results = self._call(lt, "read", None, lt.tier.read_many_into, batch)
+            if results is None:
+                continue  # marked down: misses, and the index keeps what the tier holds
             self._report(lt.tier, results)
             with self._lock:
                 for (i, key, out), result in zip(mine, results):
@@ -130,7 +173,11 @@ class LowerTiers:
                 continue
             with self._lock:
                 todo = [(k, v) for k, v in items if k not in lt.index]
-            results = lt.tier.put_many(todo)
+            if not todo:
+                continue
+            results = self._call(lt, "write_through", None, lt.tier.put_many, todo)
+            if results is None:
+                continue
             self._report(lt.tier, results)
             for (key, view), result in zip(todo, results):
                 if result is True:
@@ -142,13 +189,12 @@ class LowerTiers:
         """Put into the tier at ``position``, evicting its LRU chunks while it is full."""
         lt = self._tiers[position]
         while True:
-            try:
-                if lt.tier.put(key, data):
-                    self._stored(lt, key, len(data))
-                    return True
-            except TierError as e:
-                self._failed(lt.tier, e)
-                return False
+            stored = self._call(lt, "put", None, lt.tier.put, key, data)
+            if stored is None:
+                return False  # down or failing: the caller moves on to the next tier
+            if stored:
+                self._stored(lt, key, len(data))
+                return True
             if not self._evict_one(position):
                 return False
 
@@ -164,18 +210,12 @@ class LowerTiers:
             if not lt.index:
                 return False
             key, size = lt.index.popitem(last=False)
-        try:
-            if any(x.policy.accept_demotions for x in self._tiers[position + 1 :]):
-                data = bytearray(size)
-                if lt.tier.read_into(key, memoryview(data)):
-                    self.demote(key, memoryview(data), below=position + 1)
-        except TierError as e:
-            self._failed(lt.tier, e)  # not demoted: it is dropped below
-        try:
-            lt.tier.delete(key)
-        except TierError as e:
-            self._failed(lt.tier, e)
-            self._restore(lt, key, size)  # still held and counted there: evict it later
+        if any(x.policy.accept_demotions for x in self._tiers[position + 1 :]):
+            data = memoryview(bytearray(size))
+            if self._call(lt, "read", False, lt.tier.read_into, key, data):
+                self.demote(key, data, below=position + 1)
+        if self._call(lt, "delete", None, lt.tier.delete, key) is None:
+            self._restore(lt, key, size)  # failed or marked down: still held and counted there
             return False
         self._metrics.evictions.labels(tier=lt.tier.name).inc()
         return True
@@ -195,12 +235,12 @@ class LowerTiers:
                 size = lt.index.pop(key, None)
             if size is None and not lt.tier.shared:
                 continue
-            try:
-                found = lt.tier.delete(key) > 0 or found
-            except TierError as e:
-                self._failed(lt.tier, e)
+            deleted = self._call(lt, "delete", None, lt.tier.delete, key)
+            if deleted is None:  # failed or marked down: still held and counted there
                 if size is not None:
                     self._restore(lt, key, size)
+                continue
+            found = deleted > 0 or found
         return found
 
     def _report(self, tier: Tier, results: Sequence[ItemResult]) -> None:
@@ -208,6 +248,101 @@ class LowerTiers:
         errors = {id(r.error): r.error for r in results if isinstance(r, Failed)}
         for error in errors.values():
             self._failed(tier, error)
+
+    # -- faults ----------------------------------------------------------------------------
+
+    def _call(self, lt: LowerTier, op: str, default: D, fn: Callable[..., T], *args: Any) -> T | D:
+        """``fn(*args)`` on the tier through its breaker; ``default`` when skipped or failed.
+
+        A batch (``put_many``, ``read_many_into``) reports failures per item instead of
+        raising: one whose every item failed, none as corrupted, is a failure of the tier."""
+        if not lt.breaker.allow():
+            self._metrics.tier_skips.labels(tier=lt.tier.name, op=op).inc()
+            return default
+        try:
+            if op in _QUICK_OPS:
+                with lt.breaker.track():
+                    result = fn(*args)
+            else:
+                result = fn(*args)
+        except Corrupted as e:  # the tier answered; the bytes were bad (and are dropped)
+            self._failed(lt.tier, e)
+            self._answered(lt)
+            return default
+        except TierError as e:
+            self._failed(lt.tier, e)
+            lt.breaker.failure()
+            return default
+        if _failed_whole(result):
+            lt.breaker.failure()  # the caller reports the items' errors
+            return result
+        self._answered(lt)
+        return result
+
+    def probe_down_tiers(self) -> None:
+        """Probe each tier marked down whose backoff is over, on a thread of its own, so a
+        tier comes back (and its index is resynced) without waiting for traffic."""
+        for lt in self._tiers:
+            if lt.breaker.state != "open" or not lt.breaker.may_allow():
+                continue
+            with self._lock:
+                if lt.tier.name in self._probing:
+                    continue
+                self._probing.add(lt.tier.name)
+            threading.Thread(
+                target=self._probe, args=(lt,), name=f"lmcache-svc-probe-{lt.tier.name}",
+                daemon=True,
+            ).start()  # fmt: skip
+
+    def _probe(self, lt: LowerTier) -> None:
+        try:
+            self._call(lt, "probe", None, lt.tier.contains_many, [_PROBE_KEY])
+        finally:
+            with self._lock:
+                self._probing.discard(lt.tier.name)
+
+    def _answered(self, lt: LowerTier) -> None:
+        if lt.breaker.success():
+            log.warning("tier %s is back; rebuilding its index from what it holds", lt.tier.name)
+            self._start_resync(lt)
+        elif lt.tier.generation != lt.generation:
+            log.warning("tier %s was replaced (restarted); rebuilding its index", lt.tier.name)
+            self._start_resync(lt)
+
+    def _start_resync(self, lt: LowerTier) -> None:
+        with self._lock:
+            if lt.tier.name in self._resyncing:
+                return
+            self._resyncing.add(lt.tier.name)
+        threading.Thread(
+            target=self._resync, args=(lt,), name=f"lmcache-svc-resync-{lt.tier.name}", daemon=True
+        ).start()
+
+    def _resync(self, lt: LowerTier) -> None:
+        """Make the index (and the tier's accounting) agree with what the tier holds after an
+        outage: exactly what ``rescan`` finds, known chunks keeping their LRU order. A chunk
+        written during the scan that the scan missed leaves the index; for a shared tier a
+        local miss is still confirmed with the tier, so it is found anyway."""
+        try:
+            lt.generation = lt.tier.generation  # a later change resyncs again
+            found = dict(lt.tier.rescan())
+            with self._lock:
+                gone = sum(1 for k in lt.index if k not in found)
+                index = OrderedDict((k, found[k]) for k in lt.index if k in found)
+                for key, size in found.items():
+                    index.setdefault(key, size)
+                lt.index = index
+            self._metrics.resyncs.labels(tier=lt.tier.name).inc()
+            log.info(
+                "tier %s resynced: %d chunks found, %d known chunks gone",
+                lt.tier.name, len(found), gone,
+            )  # fmt: skip
+        except TierError as e:
+            self._failed(lt.tier, e)
+            lt.breaker.failure()
+        finally:
+            with self._lock:
+                self._resyncing.discard(lt.tier.name)
 
     def _failed(self, tier: Tier, error: TierError) -> None:
         log.warning("tier %s failed: %s", tier.name, error)
@@ -224,3 +359,18 @@ def _gone(result: ItemResult) -> bool:
     as corrupted. After any other failure the tier still holds (and counts) it, so the index
     keeps it, to be read again or evicted later."""
     return result is False or (isinstance(result, Failed) and isinstance(result.error, Corrupted))
+
+
+def _failed_whole(result: object) -> bool:
+    """Whether ``result`` is a batch's per-item results with every item failed by the tier
+    (a corrupted item means the tier answered)."""
+    return (
+        isinstance(result, list)
+        and bool(result)
+        and all(isinstance(r, Failed) and not isinstance(r.error, Corrupted) for r in result)
+    )
+
+
+def _up(lt: LowerTier) -> bool:
+    """Not marked down: a tier whose breaker is open or probing counts as a miss."""
+    return lt.breaker.state == "closed"

@@ -151,6 +151,31 @@ class Metrics:
             ["tier", "kind"],
             registry=r,
         )
+        self.breaker_state = Gauge(
+            "lmcache_svc_tier_breaker_state",
+            "Circuit breaker of a lower tier: 0 closed (in use), 1 open (skipped), 2 half-open "
+            "(one probe call let through)",
+            ["tier"],
+            registry=r,
+        )
+        self.breaker_trips = Counter(
+            "lmcache_svc_tier_breaker_trips",
+            "Times a lower tier was marked down (a failure, a timeout or a hung call)",
+            ["tier"],
+            registry=r,
+        )
+        self.tier_skips = Counter(
+            "lmcache_svc_tier_skipped_calls",
+            "Calls not made to a lower tier because its breaker was open",
+            ["tier", "op"],
+            registry=r,
+        )
+        self.resyncs = Counter(
+            "lmcache_svc_tier_resyncs",
+            "Index rebuilds of a lower tier after it came back from an outage",
+            ["tier"],
+            registry=r,
+        )
         self.expired = Counter(
             "lmcache_svc_expired",
             "Leases and reservations reclaimed by timeout or disconnect",

@@ -19,6 +19,14 @@ class TierPolicy:
     """Chunks evicted from the tiers above are moved here instead of being dropped."""
     write_through: bool = False
     """Every committed chunk is also copied here, in the background (off the hot path)."""
+    backoff_s: float = 0.5
+    """After a failure or timeout the tier is skipped this long before a probe call; each
+    failed probe doubles it (circuit breaker, ``breaker.py``)."""
+    max_backoff_s: float = 30.0
+    """Cap of the doubled backoff."""
+    slow_call_s: float = 1.0
+    """A lookup-sized call (presence, size, delete) in flight this long marks the tier down
+    for every other caller (a hung backend raises nothing until its socket timeout)."""
 
 
 @dataclass(frozen=True, slots=True)

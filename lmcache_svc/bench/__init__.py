@@ -32,6 +32,11 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
         "lmcache_svc.bench.overhead",
         "vLLM throughput with the plugin and nothing ever hitting vs no plugin",
     ),
+    "soak": (
+        "lmcache_svc.bench.soak",
+        "clients storing, loading and looking up through client kills, a hung and a "
+        "restarted Redis and server restarts; every loaded byte verified",
+    ),
     "scale": (
         "lmcache_svc.bench.scale",
         "server memory per indexed chunk; load time vs prefix length; lookup vs index size",

@@ -66,7 +66,14 @@ def build_cache(config: Config) -> TieredCache:
                 key_prefix=r.key_prefix,
                 timeout_s=r.timeout_s,
             )
-            lower.append((redis, TierPolicy(r.accept_demotions, r.write_through)))
+            policy = TierPolicy(
+                r.accept_demotions,
+                r.write_through,
+                backoff_s=r.breaker_backoff_s,
+                max_backoff_s=r.breaker_max_backoff_s,
+                slow_call_s=r.slow_call_s,
+            )
+            lower.append((redis, policy))
     except BaseException:
         arena.close()
         for made, _ in lower:
@@ -212,6 +219,7 @@ class Service:
                 await http_task
             servicer.stop()
             await grpc_server.stop(grace=5)
+            servicer.close()
             cache.close()
             if cfg.socket is not None:
                 with contextlib.suppress(FileNotFoundError):

@@ -90,6 +90,9 @@ class Tier(ABC):
     shared: bool = False
     """True when other servers may add or remove chunks (Redis): the cache asks the tier on
     a local miss instead of trusting its own index."""
+    generation: int = 0
+    """Changes when the medium behind the tier was replaced (a Redis that restarted between
+    two calls, unnoticed by any failure): what the cache knew of its contents is stale."""
 
     @property
     @abstractmethod
@@ -122,6 +125,11 @@ class Tier(ABC):
     def scan(self) -> Iterator[tuple[ChunkKey, int]]:
         """Chunks already stored when the server starts, least recently used first."""
         return iter(())
+
+    def rescan(self) -> Iterator[tuple[ChunkKey, int]]:
+        """``scan`` after the medium may have changed behind the tier's back (an outage, a
+        restart): a tier with its own accounting rebuilds it from what it finds."""
+        return self.scan()
 
     def get(self, key: ChunkKey) -> bytes | None:
         size = self.size_of(key)

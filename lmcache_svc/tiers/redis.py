@@ -22,11 +22,14 @@ caller's buffer, where redis-py's pure-Python parser copies each value several t
 fresh memory. Cluster redirections and dropped connections fall back to redis-py's ordinary
 commands, which reconnect and follow the cluster's topology.
 
-Failure: socket connect and read timeouts are ``timeout_s`` (redis-py retries a failed
-command once), so a dead or hung Redis costs a caller about 2 x ``timeout_s`` at most. Every
-redis-py or socket error becomes ``TierError`` naming the URL (password hidden) and operation;
-the batch forms report it per chunk (``Failed``), so the chunks that were written stay
-counted and known to the caller while the refused ones are neither.
+Failure: socket connect and read timeouts are ``timeout_s``. A dropped connection (Redis
+restarted) is retried once on a fresh connection, whose handshake reads the server's
+``run_id``: a new one bumps ``generation`` (the cache then resyncs its index, even when no
+call failed). A timeout is not retried, so a hung Redis costs a caller one ``timeout_s`` (and
+the cache's circuit breaker, ``breaker.py``, stops sending it calls until a probe succeeds).
+Every redis-py or socket error becomes ``TierError`` naming the URL (password hidden) and
+operation; the batch forms report it per chunk (``Failed``), so the chunks that were written
+stay counted and known to the caller while the refused ones are neither.
 """
 
 from __future__ import annotations
@@ -105,6 +108,9 @@ class RedisTier(Tier):
         self._ledger = SizeLedger(capacity_bytes)
         self._connect_lock = threading.Lock()
         self._client_obj: Any = None
+        self._run_id: str | None = None
+        self._run_id_lock = threading.Lock()
+        self.generation = 0
         self._executor = ThreadPoolExecutor(num_connections, thread_name_prefix=f"{name}-io")
         self._closed = False
 
@@ -239,12 +245,23 @@ class RedisTier(Tier):
     def scan(self) -> Iterator[tuple[ChunkKey, int]]:
         """Chunks under ``key_prefix`` on every master, in Redis's SCAN order (Redis keeps no
         cheap global LRU order); each is added to this tier's accounting as it is yielded."""
+        return self._scan_into(self._ledger)
+
+    def rescan(self) -> Iterator[tuple[ChunkKey, int]]:
+        """``scan`` into fresh accounting that then replaces the old one, as at start-up: a
+        Redis that restarted (or lost keys) is counted for what it holds now."""
+        fresh = SizeLedger(self.capacity_bytes)
+        found = list(self._scan_into(fresh))
+        self._ledger = fresh
+        return iter(found)
+
+    def _scan_into(self, ledger: SizeLedger) -> Iterator[tuple[ChunkKey, int]]:
         pattern = glob_escape(self._prefix) + b"*"
         with self._errors("scan"):
             for client in self._node_clients():
                 keys = client.scan_iter(match=pattern, count=_SCAN_COUNT)
                 while batch := list(islice(keys, _SCAN_COUNT)):
-                    yield from self._scan_sizes(client, batch)
+                    yield from self._scan_sizes(client, batch, ledger)
 
     def close(self) -> None:
         if self._closed:
@@ -295,7 +312,9 @@ class RedisTier(Tier):
         options: dict[str, Any] = {
             "socket_timeout": self._timeout_s,
             "socket_connect_timeout": self._timeout_s,
-            "retry": Retry(NoBackoff(), 1),
+            # A dropped connection is worth one retry (a restarted Redis answers on a new
+            # one); a timeout is not: a hung Redis would cost every caller twice.
+            "retry": Retry(NoBackoff(), 1, supported_errors=(redis.ConnectionError,)),
             "health_check_interval": 0,
         }
         if self._cluster:
@@ -304,9 +323,26 @@ class RedisTier(Tier):
             self._raw_url,
             max_connections=2 * self._num_connections,
             timeout=self._timeout_s,
+            redis_connect_func=self._on_connect,
             **options,
         )
         return redis.Redis(connection_pool=pool)
+
+    def _on_connect(self, conn: Any) -> None:
+        """redis-py's handshake, then the server's ``run_id``: a new one means Redis restarted
+        (its contents may be gone), which bumps ``generation``."""
+        conn.on_connect()
+        conn.send_command("INFO", "server")
+        info = conn.read_response()
+        text = info.decode("ascii", "replace") if isinstance(info, bytes) else str(info)
+        run_id = next(
+            (line[7:].strip() for line in text.splitlines() if line.startswith("run_id:")), ""
+        )
+        with self._run_id_lock:
+            if run_id and run_id != self._run_id:
+                if self._run_id is not None:
+                    self.generation += 1
+                self._run_id = run_id
 
     def _node_clients(self) -> list[Any]:
         client = self._client
@@ -320,14 +356,16 @@ class RedisTier(Tier):
             return client.connection_pool
         return client.get_redis_connection(client.get_node_from_key(rkey)).connection_pool
 
-    def _scan_sizes(self, client: Any, rkeys: list[bytes]) -> Iterator[tuple[ChunkKey, int]]:
+    def _scan_sizes(
+        self, client: Any, rkeys: list[bytes], ledger: SizeLedger
+    ) -> Iterator[tuple[ChunkKey, int]]:
         pipe = client.pipeline(transaction=False)
         for rkey in rkeys:
             pipe.strlen(rkey)
         for rkey, value_size in zip(rkeys, pipe.execute()):
             key = self._key_of(rkey)
             if key is not None and value_size >= HEADER.size:
-                self._ledger.record(key, value_size - HEADER.size)
+                ledger.record(key, value_size - HEADER.size)
                 yield key, value_size - HEADER.size
 
     def _discard(self, key: ChunkKey) -> None:
