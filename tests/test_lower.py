@@ -131,3 +131,34 @@ def test_promotion_read_failures_keep_the_chunks_indexed(
     assert evict_all(lower) == 8
     assert r.held() == {} and (r.tier.num_chunks, r.tier.used_bytes) == (0, 0)
     lower.close()
+
+
+def test_a_partly_refused_batch_keeps_the_tier_in_use(
+    restricted: Callable[..., Restricted],
+) -> None:
+    r = restricted(write_bad=False, read_bad=True)
+    lower, metrics = make_lower(r.tier)
+    lower.copy_through([(make_key(i), memoryview(make_chunk(i))) for i in range(8)])
+    assert lower._tiers[0].breaker.state == "closed"
+    assert metrics.breaker_trips.labels(tier="redis")._value.get() == 0
+    lower.close()
+
+
+def test_a_batch_that_fails_whole_marks_the_tier_down(
+    redis_factory: Callable[..., RedisProc],
+) -> None:
+    """Batches report failures per item, never raising: a batch whose every item failed
+    (Redis is gone) must still trip the breaker, so later calls skip the tier at once."""
+    server = redis_factory()
+    tier = RedisTier(server.url, 64 * CHUNK, key_prefix="whole:", timeout_s=2.0)
+    lower, metrics = make_lower(tier)
+    server.stop()
+
+    lower.copy_through([(make_key(i), memoryview(make_chunk(i))) for i in range(4)])
+
+    assert lower._tiers[0].breaker.state == "open"
+    assert metrics.breaker_trips.labels(tier="redis")._value.get() == 1
+    assert index_of(lower) == {}
+    lower.copy_through([(make_key(9), memoryview(make_chunk(9)))])  # skipped, not tried
+    assert metrics.tier_skips.labels(tier="redis", op="write_through")._value.get() == 1
+    lower.close()
