@@ -8,8 +8,11 @@ from each tier's ``TierPolicy`` and from whether the tier is ``shared``.
 
 Ownership is two-phase and explicit:
 
-- store: ``prepare_store`` reserves slots (owned by a session, with a deadline),
-  ``commit_store`` publishes them, ``abort_store``/expiry/session end gives them back;
+- store: ``prepare_store`` reserves slots (owned by a session, with a deadline; one owner
+  holds at most ``max_reserved_fraction`` of the first tier), ``commit_store`` publishes
+  them, ``abort_store``/session end gives them back. A reservation past its deadline is
+  quarantined, never reused while its writer may still write: a late commit publishes
+  nothing (it answers 0 and frees the slot), as does a late abort or the session's end;
 - load: ``prepare_load`` pins the longest available prefix under a lease, ``release_load``
   (or expiry, or session end) unpins. A pinned chunk is never evicted, demoted or freed.
 
@@ -25,11 +28,18 @@ from __future__ import annotations
 import logging
 import secrets
 import threading
+import time
 from collections import Counter
 from collections.abc import Sequence
 
 from lmcache_svc.chunk_index import ChunkIndex
-from lmcache_svc.errors import PayloadTooLarge, SizeMismatch, UnknownNamespace
+from lmcache_svc.errors import (
+    PayloadTooLarge,
+    ReservationExpired,
+    ReservationLimit,
+    SizeMismatch,
+    UnknownNamespace,
+)
 from lmcache_svc.first_tier import FirstTier
 from lmcache_svc.keys import (
     ChunkHash,
@@ -205,13 +215,29 @@ class TieredCache:
     ) -> list[PreparedStore]:
         keys = self._keys(namespace_id, chunk_hashes)
         nbytes = self.namespace(namespace_id).chunk_bytes
-        deadline = self._sessions.deadline(ttl_s, self.settings.reservation_ttl_s)
+        s = self.settings
+        deadline = self._sessions.deadline(ttl_s, s.reservation_ttl_s, s.max_reservation_ttl_s)
+        self._check_reservation_limit(session_id, len(keys), nbytes)
         out: list[PreparedStore] = []
         for key, h in zip(keys, chunk_hashes):
             status, slot = self._reserve(key, nbytes, session_id, deadline)
             out.append(PreparedStore(ChunkHash(bytes(h)), status, slot))
         self._update_pending()
         return out
+
+    def _check_reservation_limit(self, owner: str | None, num: int, chunk_bytes: int) -> None:
+        """An owner holds at most its share of the first tier reserved (one chunk always)."""
+        limit = int(self.settings.max_reserved_fraction * self._first.capacity_bytes)
+        nbytes = num * chunk_bytes
+        with self._lock:
+            held = self._index.owned_bytes(owner)
+        if held + nbytes > max(limit, chunk_bytes):
+            who = f"session {owner!r}" if owner else "session-less callers"
+            raise ReservationLimit(
+                f"{who} would hold {held + nbytes} bytes reserved (expired reservations not "
+                f"yet committed or aborted included); the limit is {limit} bytes "
+                f"(cache.max_reserved_fraction of the first tier): commit or abort first"
+            )
 
     def _reserve(
         self, key: ChunkKey, nbytes: int, owner: str | None, deadline: float
@@ -232,10 +258,15 @@ class TieredCache:
     ) -> int:
         keys = self._keys(namespace_id, chunk_hashes)
         committed: list[ChunkKey] = []
+        now = time.monotonic()
         with self._lock:
             for key in keys:
                 entry = self._index.entry(key)
                 if entry is None or entry.ready or entry.doomed or entry.owner != session_id:
+                    continue
+                if entry.expired or entry.deadline <= now:  # its slot may have been rewritten
+                    if entry.pins == 0:
+                        self._first_tier.free(key)
                     continue
                 self._index.mark_ready(key, entry)
                 self._index.touch(key)
@@ -285,8 +316,28 @@ class TieredCache:
             except BaseException:
                 self.abort_store(namespace_id, [chunk_hash], session_id=owner)
                 raise
-            self.commit_store(namespace_id, [chunk_hash], session_id=owner)
+            if not self.commit_store(namespace_id, [chunk_hash], session_id=owner):
+                raise ReservationExpired(
+                    f"chunk {bytes(chunk_hash).hex()} was not stored: its reservation expired"
+                )
         return prepared.status
+
+    def renew_store(
+        self, namespace_id: bytes, chunk_hash: bytes, owner: str, deadline: float
+    ) -> bool:
+        """True while ``owner`` still holds the chunk's reservation, which is then extended
+        to ``deadline`` (never shortened); False once it expired or is gone. A server-side
+        writer asks before each write into the slot."""
+        (key,) = make_chunk_keys(self.namespace(namespace_id).namespace_id, [chunk_hash])
+        now = time.monotonic()
+        with self._lock:
+            entry = self._index.entry(key)
+            if entry is None or entry.ready or entry.owner != owner or entry.expired:
+                return False
+            if entry.deadline <= now:
+                return False
+            entry.deadline = max(entry.deadline, deadline)
+            return True
 
     # -- load ------------------------------------------------------------------------------
 
@@ -302,7 +353,8 @@ class TieredCache:
         keys = self._keys(namespace_id, chunk_hashes)
         nbytes = self.namespace(namespace_id).chunk_bytes
         # Checked before anything is pinned: a bad ttl must not leave pins behind.
-        deadline = self._sessions.deadline(ttl_s, self.settings.lease_ttl_s)
+        s = self.settings
+        deadline = self._sessions.deadline(ttl_s, s.lease_ttl_s, s.max_lease_ttl_s)
         pinned: list[ChunkKey] = []
         sources: list[str] = []
         with self._lock:

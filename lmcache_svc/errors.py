@@ -50,10 +50,22 @@ class UnknownSession(NotFound):
     kind = "unknown_session"
 
 
+class ReservationExpired(NotFound):
+    """A store reservation passed its deadline before it was committed: nothing was stored."""
+
+    kind = "reservation_expired"
+
+
 class NoSpace(LMCacheSvcError):
     """No tier could make room without evicting pinned data."""
 
     kind = "no_space"
+
+
+class ReservationLimit(NoSpace):
+    """One owner (session or upload) already holds its share of the first tier reserved."""
+
+    kind = "reservation_limit"
 
 
 class Unauthenticated(LMCacheSvcError):

@@ -157,7 +157,7 @@ def _memory_table(report: Report, rows: list[dict[str, Any]]) -> None:
     table.notes += [
         "private memory: Private_Clean + Private_Dirty of the server process in "
         "/proc/PID/smaps, the shared-memory arena (payloads) excluded",
-        "chunks of 4 KiB (smallest slab class) indexed by sessionless prepare + commit; "
+        "chunks of 4 KiB (smallest slab class) indexed by prepare + commit; "
         "bytes per chunk = memory growth / chunks added; 'since first step' also carries "
         "one-off costs of the first big batches (gRPC buffers, allocator pools), which the "
         "'since previous step' column leaves out; the target uses the first",

@@ -24,15 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1almcache_svc/v1/cache.proto\x12\x0elmcache_svc.v1\"\x92\x01\n\x08KVLayout\x12\r\n\x05\x64type\x18\x01 \x01(\t\x12\x12\n\nnum_layers\x18\x02 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x03 \x01(\r\x12\x11\n\thead_size\x18\x04 \x01(\r\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12\x13\n\x0bpage_layout\x18\x06 \x01(\t\x12\x11\n\tkv_planes\x18\x07 \x01(\r\"\x9f\x01\n\tNamespace\x12\r\n\x05model\x18\x01 \x01(\t\x12(\n\x06layout\x18\x02 \x01(\x0b\x32\x18.lmcache_svc.v1.KVLayout\x12\x12\n\nchunk_size\x18\x03 \x01(\r\x12\x0f\n\x07tp_rank\x18\x04 \x01(\r\x12\x0f\n\x07tp_size\x18\x05 \x01(\r\x12\x0e\n\x06tenant\x18\x06 \x01(\t\x12\x13\n\x0bkey_version\x18\x07 \x01(\r\"H\n\x18RegisterNamespaceRequest\x12,\n\tnamespace\x18\x01 \x01(\x0b\x32\x19.lmcache_svc.v1.Namespace\"F\n\x19RegisterNamespaceResponse\x12\x14\n\x0cnamespace_id\x18\x01 \x01(\x0c\x12\x13\n\x0b\x63hunk_bytes\x18\x02 \x01(\x04\"G\n\x07Segment\x12\x11\n\ttransport\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x0c\n\x04size\x18\x03 \x01(\x04\x12\r\n\x05nonce\x18\x04 \x01(\x0c\")\n\x12OpenSessionRequest\x12\x13\n\x0b\x63lient_name\x18\x01 \x01(\t\"M\n\x0cSessionEvent\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12)\n\x08segments\x18\x02 \x03(\x0b\x32\x17.lmcache_svc.v1.Segment\";\n\rLookupRequest\x12\x14\n\x0cnamespace_id\x18\x01 \x01(\x0c\x12\x14\n\x0c\x63hunk_hashes\x18\x02 \x03(\x0c\"7\n\x0eLookupResponse\x12\x16\n\x0enum_hit_chunks\x18\x01 \x01(\r\x12\r\n\x05tiers\x18\x02 \x03(\t\"e\n\x13PrepareStoreRequest\x12\x14\n\x0cnamespace_id\x18\x01 \x01(\x0c\x12\x14\n\x0c\x63hunk_hashes\x18\x02 \x03(\x0c\x12\x12\n\nsession_id\x18\x03 \x01(\t\x12\x0e\n\x06ttl_ms\x18\x04 \x01(\r\"o\n\x0cPreparedSlot\x12\x12\n\nchunk_hash\x18\x01 \x01(\x0c\x12+\n\x06status\x18\x02 \x01(\x0e\x32\x1b.lmcache_svc.v1.StoreStatus\x12\x0e\n\x06offset\x18\x03 \x01(\x04\x12\x0e\n\x06length\x18\x04 \x01(\x04\"Y\n\x14PrepareStoreResponse\x12+\n\x05slots\x18\x01 \x03(\x0b\x32\x1c.lmcache_svc.v1.PreparedSlot\x12\x14\n\x0csegment_name\x18\x02 \x01(\t\"c\n\x12\x43ommitStoreRequest\x12\x14\n\x0cnamespace_id\x18\x01 \x01(\x0c\x12\x14\n\x0c\x63hunk_hashes\x18\x02 \x03(\x0c\x12\x12\n\nsession_id\x18\x03 \x01(\t\x12\r\n\x05\x61\x62ort\x18\x04 \x01(\x08\",\n\x13\x43ommitStoreResponse\x12\x15\n\rnum_committed\x18\x01 \x01(\r\"d\n\x12PrepareLoadRequest\x12\x14\n\x0cnamespace_id\x18\x01 \x01(\x0c\x12\x14\n\x0c\x63hunk_hashes\x18\x02 \x03(\x0c\x12\x12\n\nsession_id\x18\x03 \x01(\t\x12\x0e\n\x06ttl_ms\x18\x04 \x01(\r\"=\n\x07SlotRef\x12\x12\n\nchunk_hash\x18\x01 \x01(\x0c\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0e\n\x06length\x18\x03 \x01(\x04\"e\n\x13PrepareLoadResponse\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12&\n\x05slots\x18\x02 \x03(\x0b\x32\x17.lmcache_svc.v1.SlotRef\x12\x14\n\x0csegment_name\x18\x03 \x01(\t\"&\n\x12ReleaseLoadRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\"\'\n\x13ReleaseLoadResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"d\n\x0b\x43hunkHeader\x12\x14\n\x0cnamespace_id\x18\x01 \x01(\x0c\x12\x12\n\nchunk_hash\x18\x02 \x01(\x0c\x12\x0e\n\x06length\x18\x03 \x01(\x04\x12\r\n\x05\x66ound\x18\x04 \x01(\x08\x12\x0c\n\x04tier\x18\x05 \x01(\t\"R\n\tChunkPart\x12-\n\x06header\x18\x01 \x01(\x0b\x32\x1b.lmcache_svc.v1.ChunkHeaderH\x00\x12\x0e\n\x04\x64\x61ta\x18\x02 \x01(\x0cH\x00\x42\x06\n\x04part\"7\n\x0bPutResponse\x12\x12\n\nnum_stored\x18\x01 \x01(\r\x12\x14\n\x0cnum_no_space\x18\x02 \x01(\r\"8\n\nGetRequest\x12\x14\n\x0cnamespace_id\x18\x01 \x01(\x0c\x12\x14\n\x0c\x63hunk_hashes\x18\x02 \x03(\x0c\";\n\rDeleteRequest\x12\x14\n\x0cnamespace_id\x18\x01 \x01(\x0c\x12\x14\n\x0c\x63hunk_hashes\x18\x02 \x03(\x0c\"%\n\x0e\x44\x65leteResponse\x12\x13\n\x0bnum_deleted\x18\x01 \x01(\r\"\x0e\n\x0cStatsRequest\"Y\n\tTierState\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x02 \x01(\x04\x12\x12\n\nused_bytes\x18\x03 \x01(\x04\x12\x12\n\nnum_chunks\x18\x04 \x01(\x04\"\x91\x01\n\rStatsResponse\x12(\n\x05tiers\x18\x01 \x03(\x0b\x32\x19.lmcache_svc.v1.TierState\x12\x15\n\ractive_leases\x18\x02 \x01(\x04\x12\x16\n\x0epending_stores\x18\x03 \x01(\x04\x12\x16\n\x0enum_namespaces\x18\x04 \x01(\x04\x12\x0f\n\x07version\x18\x05 \x01(\t*l\n\x0bStoreStatus\x12\x1c\n\x18STORE_STATUS_UNSPECIFIED\x10\x00\x12\x0c\n\x08RESERVED\x10\x01\x12\x12\n\x0e\x41LREADY_STORED\x10\x02\x12\x0c\n\x08NO_SPACE\x10\x03\x12\x0f\n\x0bIN_PROGRESS\x10\x04\x32\x87\x07\n\x0c\x43\x61\x63heService\x12h\n\x11RegisterNamespace\x12(.lmcache_svc.v1.RegisterNamespaceRequest\x1a).lmcache_svc.v1.RegisterNamespaceResponse\x12Q\n\x0bOpenSession\x12\".lmcache_svc.v1.OpenSessionRequest\x1a\x1c.lmcache_svc.v1.SessionEvent0\x01\x12G\n\x06Lookup\x12\x1d.lmcache_svc.v1.LookupRequest\x1a\x1e.lmcache_svc.v1.LookupResponse\x12Y\n\x0cPrepareStore\x12#.lmcache_svc.v1.PrepareStoreRequest\x1a$.lmcache_svc.v1.PrepareStoreResponse\x12V\n\x0b\x43ommitStore\x12\".lmcache_svc.v1.CommitStoreRequest\x1a#.lmcache_svc.v1.CommitStoreResponse\x12V\n\x0bPrepareLoad\x12\".lmcache_svc.v1.PrepareLoadRequest\x1a#.lmcache_svc.v1.PrepareLoadResponse\x12V\n\x0bReleaseLoad\x12\".lmcache_svc.v1.ReleaseLoadRequest\x1a#.lmcache_svc.v1.ReleaseLoadResponse\x12?\n\x03Put\x12\x19.lmcache_svc.v1.ChunkPart\x1a\x1b.lmcache_svc.v1.PutResponse(\x01\x12>\n\x03Get\x12\x1a.lmcache_svc.v1.GetRequest\x1a\x19.lmcache_svc.v1.ChunkPart0\x01\x12G\n\x06\x44\x65lete\x12\x1d.lmcache_svc.v1.DeleteRequest\x1a\x1e.lmcache_svc.v1.DeleteResponse\x12\x44\n\x05Stats\x12\x1c.lmcache_svc.v1.StatsRequest\x1a\x1d.lmcache_svc.v1.StatsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1almcache_svc/v1/cache.proto\x12\x0elmcache_svc.v1\"\x92\x01\n\x08KVLayout\x12\r\n\x05\x64type\x18\x01 \x01(\t\x12\x12\n\nnum_layers\x18\x02 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x03 \x01(\r\x12\x11\n\thead_size\x18\x04 \x01(\r\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12\x13\n\x0bpage_layout\x18\x06 \x01(\t\x12\x11\n\tkv_planes\x18\x07 \x01(\r\"\x9f\x01\n\tNamespace\x12\r\n\x05model\x18\x01 \x01(\t\x12(\n\x06layout\x18\x02 \x01(\x0b\x32\x18.lmcache_svc.v1.KVLayout\x12\x12\n\nchunk_size\x18\x03 \x01(\r\x12\x0f\n\x07tp_rank\x18\x04 \x01(\r\x12\x0f\n\x07tp_size\x18\x05 \x01(\r\x12\x0e\n\x06tenant\x18\x06 \x01(\t\x12\x13\n\x0bkey_version\x18\x07 \x01(\r\"H\n\x18RegisterNamespaceRequest\x12,\n\tnamespace\x18\x01 \x01(\x0b\x32\x19.lmcache_svc.v1.Namespace\"F\n\x19RegisterNamespaceResponse\x12\x14\n\x0cnamespace_id\x18\x01 \x01(\x0c\x12\x13\n\x0b\x63hunk_bytes\x18\x02 \x01(\x04\"G\n\x07Segment\x12\x11\n\ttransport\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x0c\n\x04size\x18\x03 \x01(\x04\x12\r\n\x05nonce\x18\x04 \x01(\x0c\")\n\x12OpenSessionRequest\x12\x13\n\x0b\x63lient_name\x18\x01 \x01(\t\"M\n\x0cSessionEvent\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12)\n\x08segments\x18\x02 \x03(\x0b\x32\x17.lmcache_svc.v1.Segment\";\n\rLookupRequest\x12\x14\n\x0cnamespace_id\x18\x01 \x01(\x0c\x12\x14\n\x0c\x63hunk_hashes\x18\x02 \x03(\x0c\"7\n\x0eLookupResponse\x12\x16\n\x0enum_hit_chunks\x18\x01 \x01(\r\x12\r\n\x05tiers\x18\x02 \x03(\t\"e\n\x13PrepareStoreRequest\x12\x14\n\x0cnamespace_id\x18\x01 \x01(\x0c\x12\x14\n\x0c\x63hunk_hashes\x18\x02 \x03(\x0c\x12\x12\n\nsession_id\x18\x03 \x01(\t\x12\x0e\n\x06ttl_ms\x18\x04 \x01(\r\"o\n\x0cPreparedSlot\x12\x12\n\nchunk_hash\x18\x01 \x01(\x0c\x12+\n\x06status\x18\x02 \x01(\x0e\x32\x1b.lmcache_svc.v1.StoreStatus\x12\x0e\n\x06offset\x18\x03 \x01(\x04\x12\x0e\n\x06length\x18\x04 \x01(\x04\"Y\n\x14PrepareStoreResponse\x12+\n\x05slots\x18\x01 \x03(\x0b\x32\x1c.lmcache_svc.v1.PreparedSlot\x12\x14\n\x0csegment_name\x18\x02 \x01(\t\"c\n\x12\x43ommitStoreRequest\x12\x14\n\x0cnamespace_id\x18\x01 \x01(\x0c\x12\x14\n\x0c\x63hunk_hashes\x18\x02 \x03(\x0c\x12\x12\n\nsession_id\x18\x03 \x01(\t\x12\r\n\x05\x61\x62ort\x18\x04 \x01(\x08\",\n\x13\x43ommitStoreResponse\x12\x15\n\rnum_committed\x18\x01 \x01(\r\"t\n\x12PrepareLoadRequest\x12\x14\n\x0cnamespace_id\x18\x01 \x01(\x0c\x12\x14\n\x0c\x63hunk_hashes\x18\x02 \x03(\x0c\x12\x12\n\nsession_id\x18\x03 \x01(\t\x12\x0e\n\x06ttl_ms\x18\x04 \x01(\r\x12\x0e\n\x06verify\x18\x05 \x01(\x08\"=\n\x07SlotRef\x12\x12\n\nchunk_hash\x18\x01 \x01(\x0c\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0e\n\x06length\x18\x03 \x01(\x04\"e\n\x13PrepareLoadResponse\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12&\n\x05slots\x18\x02 \x03(\x0b\x32\x17.lmcache_svc.v1.SlotRef\x12\x14\n\x0csegment_name\x18\x03 \x01(\t\"&\n\x12ReleaseLoadRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\"\'\n\x13ReleaseLoadResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"d\n\x0b\x43hunkHeader\x12\x14\n\x0cnamespace_id\x18\x01 \x01(\x0c\x12\x12\n\nchunk_hash\x18\x02 \x01(\x0c\x12\x0e\n\x06length\x18\x03 \x01(\x04\x12\r\n\x05\x66ound\x18\x04 \x01(\x08\x12\x0c\n\x04tier\x18\x05 \x01(\t\"R\n\tChunkPart\x12-\n\x06header\x18\x01 \x01(\x0b\x32\x1b.lmcache_svc.v1.ChunkHeaderH\x00\x12\x0e\n\x04\x64\x61ta\x18\x02 \x01(\x0cH\x00\x42\x06\n\x04part\"P\n\x0bPutResponse\x12\x12\n\nnum_stored\x18\x01 \x01(\r\x12\x14\n\x0cnum_no_space\x18\x02 \x01(\r\x12\x17\n\x0fnum_in_progress\x18\x03 \x01(\r\"H\n\nGetRequest\x12\x14\n\x0cnamespace_id\x18\x01 \x01(\x0c\x12\x14\n\x0c\x63hunk_hashes\x18\x02 \x03(\x0c\x12\x0e\n\x06verify\x18\x03 \x01(\x08\";\n\rDeleteRequest\x12\x14\n\x0cnamespace_id\x18\x01 \x01(\x0c\x12\x14\n\x0c\x63hunk_hashes\x18\x02 \x03(\x0c\"%\n\x0e\x44\x65leteResponse\x12\x13\n\x0bnum_deleted\x18\x01 \x01(\r\"\x0e\n\x0cStatsRequest\"Y\n\tTierState\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x02 \x01(\x04\x12\x12\n\nused_bytes\x18\x03 \x01(\x04\x12\x12\n\nnum_chunks\x18\x04 \x01(\x04\"\x91\x01\n\rStatsResponse\x12(\n\x05tiers\x18\x01 \x03(\x0b\x32\x19.lmcache_svc.v1.TierState\x12\x15\n\ractive_leases\x18\x02 \x01(\x04\x12\x16\n\x0epending_stores\x18\x03 \x01(\x04\x12\x16\n\x0enum_namespaces\x18\x04 \x01(\x04\x12\x0f\n\x07version\x18\x05 \x01(\t*l\n\x0bStoreStatus\x12\x1c\n\x18STORE_STATUS_UNSPECIFIED\x10\x00\x12\x0c\n\x08RESERVED\x10\x01\x12\x12\n\x0e\x41LREADY_STORED\x10\x02\x12\x0c\n\x08NO_SPACE\x10\x03\x12\x0f\n\x0bIN_PROGRESS\x10\x04\x32\x87\x07\n\x0c\x43\x61\x63heService\x12h\n\x11RegisterNamespace\x12(.lmcache_svc.v1.RegisterNamespaceRequest\x1a).lmcache_svc.v1.RegisterNamespaceResponse\x12Q\n\x0bOpenSession\x12\".lmcache_svc.v1.OpenSessionRequest\x1a\x1c.lmcache_svc.v1.SessionEvent0\x01\x12G\n\x06Lookup\x12\x1d.lmcache_svc.v1.LookupRequest\x1a\x1e.lmcache_svc.v1.LookupResponse\x12Y\n\x0cPrepareStore\x12#.lmcache_svc.v1.PrepareStoreRequest\x1a$.lmcache_svc.v1.PrepareStoreResponse\x12V\n\x0b\x43ommitStore\x12\".lmcache_svc.v1.CommitStoreRequest\x1a#.lmcache_svc.v1.CommitStoreResponse\x12V\n\x0bPrepareLoad\x12\".lmcache_svc.v1.PrepareLoadRequest\x1a#.lmcache_svc.v1.PrepareLoadResponse\x12V\n\x0bReleaseLoad\x12\".lmcache_svc.v1.ReleaseLoadRequest\x1a#.lmcache_svc.v1.ReleaseLoadResponse\x12?\n\x03Put\x12\x19.lmcache_svc.v1.ChunkPart\x1a\x1b.lmcache_svc.v1.PutResponse(\x01\x12>\n\x03Get\x12\x1a.lmcache_svc.v1.GetRequest\x1a\x19.lmcache_svc.v1.ChunkPart0\x01\x12G\n\x06\x44\x65lete\x12\x1d.lmcache_svc.v1.DeleteRequest\x1a\x1e.lmcache_svc.v1.DeleteResponse\x12\x44\n\x05Stats\x12\x1c.lmcache_svc.v1.StatsRequest\x1a\x1d.lmcache_svc.v1.StatsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'lmcache_svc.v1.cache_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_STORESTATUS']._serialized_start=2275
-  _globals['_STORESTATUS']._serialized_end=2383
+  _globals['_STORESTATUS']._serialized_start=2332
+  _globals['_STORESTATUS']._serialized_end=2440
   _globals['_KVLAYOUT']._serialized_start=47
   _globals['_KVLAYOUT']._serialized_end=193
   _globals['_NAMESPACE']._serialized_start=196
@@ -62,33 +62,33 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_COMMITSTORERESPONSE']._serialized_start=1224
   _globals['_COMMITSTORERESPONSE']._serialized_end=1268
   _globals['_PREPARELOADREQUEST']._serialized_start=1270
-  _globals['_PREPARELOADREQUEST']._serialized_end=1370
-  _globals['_SLOTREF']._serialized_start=1372
-  _globals['_SLOTREF']._serialized_end=1433
-  _globals['_PREPARELOADRESPONSE']._serialized_start=1435
-  _globals['_PREPARELOADRESPONSE']._serialized_end=1536
-  _globals['_RELEASELOADREQUEST']._serialized_start=1538
-  _globals['_RELEASELOADREQUEST']._serialized_end=1576
-  _globals['_RELEASELOADRESPONSE']._serialized_start=1578
-  _globals['_RELEASELOADRESPONSE']._serialized_end=1617
-  _globals['_CHUNKHEADER']._serialized_start=1619
-  _globals['_CHUNKHEADER']._serialized_end=1719
-  _globals['_CHUNKPART']._serialized_start=1721
-  _globals['_CHUNKPART']._serialized_end=1803
-  _globals['_PUTRESPONSE']._serialized_start=1805
-  _globals['_PUTRESPONSE']._serialized_end=1860
-  _globals['_GETREQUEST']._serialized_start=1862
-  _globals['_GETREQUEST']._serialized_end=1918
-  _globals['_DELETEREQUEST']._serialized_start=1920
-  _globals['_DELETEREQUEST']._serialized_end=1979
-  _globals['_DELETERESPONSE']._serialized_start=1981
-  _globals['_DELETERESPONSE']._serialized_end=2018
-  _globals['_STATSREQUEST']._serialized_start=2020
-  _globals['_STATSREQUEST']._serialized_end=2034
-  _globals['_TIERSTATE']._serialized_start=2036
-  _globals['_TIERSTATE']._serialized_end=2125
-  _globals['_STATSRESPONSE']._serialized_start=2128
-  _globals['_STATSRESPONSE']._serialized_end=2273
-  _globals['_CACHESERVICE']._serialized_start=2386
-  _globals['_CACHESERVICE']._serialized_end=3289
+  _globals['_PREPARELOADREQUEST']._serialized_end=1386
+  _globals['_SLOTREF']._serialized_start=1388
+  _globals['_SLOTREF']._serialized_end=1449
+  _globals['_PREPARELOADRESPONSE']._serialized_start=1451
+  _globals['_PREPARELOADRESPONSE']._serialized_end=1552
+  _globals['_RELEASELOADREQUEST']._serialized_start=1554
+  _globals['_RELEASELOADREQUEST']._serialized_end=1592
+  _globals['_RELEASELOADRESPONSE']._serialized_start=1594
+  _globals['_RELEASELOADRESPONSE']._serialized_end=1633
+  _globals['_CHUNKHEADER']._serialized_start=1635
+  _globals['_CHUNKHEADER']._serialized_end=1735
+  _globals['_CHUNKPART']._serialized_start=1737
+  _globals['_CHUNKPART']._serialized_end=1819
+  _globals['_PUTRESPONSE']._serialized_start=1821
+  _globals['_PUTRESPONSE']._serialized_end=1901
+  _globals['_GETREQUEST']._serialized_start=1903
+  _globals['_GETREQUEST']._serialized_end=1975
+  _globals['_DELETEREQUEST']._serialized_start=1977
+  _globals['_DELETEREQUEST']._serialized_end=2036
+  _globals['_DELETERESPONSE']._serialized_start=2038
+  _globals['_DELETERESPONSE']._serialized_end=2075
+  _globals['_STATSREQUEST']._serialized_start=2077
+  _globals['_STATSREQUEST']._serialized_end=2091
+  _globals['_TIERSTATE']._serialized_start=2093
+  _globals['_TIERSTATE']._serialized_end=2182
+  _globals['_STATSRESPONSE']._serialized_start=2185
+  _globals['_STATSRESPONSE']._serialized_end=2330
+  _globals['_CACHESERVICE']._serialized_start=2443
+  _globals['_CACHESERVICE']._serialized_end=3346
 # @@protoc_insertion_point(module_scope)
