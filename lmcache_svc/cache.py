@@ -84,7 +84,14 @@ class TieredCache:
         self._lower = LowerTiers(lower, self.metrics)
         self._lock = threading.RLock()
         self._index = ChunkIndex(first.slot_of)
-        self._first_tier = FirstTier(first, self._index, self._lower, self._lock, self.metrics)
+        self._first_tier = FirstTier(
+            first,
+            self._index,
+            self._lower,
+            self._lock,
+            self.metrics,
+            checksums=self.settings.checksums,
+        )
         self._namespaces: dict[NamespaceId, Namespace] = {}
         self._sessions = Sessions(
             self._lock,
@@ -99,6 +106,9 @@ class TieredCache:
         self._maintenance: threading.Thread | None = None
         self._write_through = WriteThrough(
             self._first_tier.copy_through, enabled=self._lower.has_write_through
+        )
+        self._checksummer = WriteThrough(
+            self._first_tier.record_checksums, enabled=self.settings.checksums, name="checksums"
         )
         self.metrics.watch_tiers(lambda: [t.stats() for t in self.tiers])
 
@@ -118,6 +128,7 @@ class TieredCache:
         )
         self._maintenance.start()
         self._write_through.start()
+        self._checksummer.start()
 
     def close(self) -> None:
         """Stop background work, finish queued write-throughs, close every tier."""
@@ -126,6 +137,7 @@ class TieredCache:
         if self._maintenance is not None:
             self._maintenance.join(timeout=10)
         self._write_through.stop()
+        self._checksummer.stop()
         self._first.close()
         self._lower.close()
 
@@ -273,6 +285,7 @@ class TieredCache:
                 self.metrics.bytes_written.labels(tier=self._first.name).inc(entry.slot.length)
                 committed.append(key)
         self._update_pending()
+        self._checksummer.submit(committed)
         self._write_through.submit(committed)
         self._wake_if_above_watermark()
         return len(committed)
@@ -348,8 +361,10 @@ class TieredCache:
         *,
         session_id: str | None = None,
         ttl_s: float | None = None,
+        verify: bool = False,
     ) -> LeasedSlots:
-        """Pin the longest available prefix in the first tier, promoting from lower tiers."""
+        """Pin the longest available prefix in the first tier, promoting from lower tiers;
+        with ``verify``, only the leading chunks whose bytes match their checksums."""
         keys = self._keys(namespace_id, chunk_hashes)
         nbytes = self.namespace(namespace_id).chunk_bytes
         # Checked before anything is pinned: a bad ttl must not leave pins behind.
@@ -367,8 +382,11 @@ class TieredCache:
                 sources.append(self._first.name)
         if len(pinned) < len(keys):
             promoted, promoted_from = self._first_tier.promote(keys[len(pinned) :], nbytes)
+            self._checksummer.submit(promoted)
             pinned += promoted
             sources += promoted_from
+        if verify:
+            pinned, sources = self._verified(pinned, sources)
         if not pinned:
             return LeasedSlots(None)
         with self._lock:
@@ -378,12 +396,26 @@ class TieredCache:
             self.metrics.bytes_read.labels(tier=name).inc(slot.length)
         return LeasedSlots(lease_id, slots, sources)
 
+    def _verified(
+        self, pinned: list[ChunkKey], sources: list[str]
+    ) -> tuple[list[ChunkKey], list[str]]:
+        """The intact prefix of pinned chunks; the rest are unpinned (a corrupted one is
+        dropped, so a later load may promote a good copy from a lower tier)."""
+        num = self._first_tier.verified_prefix(pinned)
+        with self._lock:
+            for key in pinned[num:]:
+                self._first_tier.unpin(key)
+        return pinned[:num], sources[:num]
+
     def release_load(self, lease_id: str) -> bool:
         return self._sessions.release(lease_id)
 
-    def get(self, namespace_id: bytes, chunk_hash: bytes) -> tuple[bytes, str] | None:
-        """One chunk's bytes and the tier it was found in, or None."""
-        lease = self.prepare_load(namespace_id, [chunk_hash])
+    def get(
+        self, namespace_id: bytes, chunk_hash: bytes, *, verify: bool = False
+    ) -> tuple[bytes, str] | None:
+        """One chunk's bytes and the tier it was found in, or None (with ``verify``, also
+        when its bytes differ from its checksum: the chunk is then dropped)."""
+        lease = self.prepare_load(namespace_id, [chunk_hash], verify=verify)
         if lease.lease_id is None:
             return None
         try:
@@ -434,8 +466,8 @@ class TieredCache:
     # -- write-through ---------------------------------------------------------------------
 
     def flush(self, timeout_s: float = 30.0) -> bool:
-        """Wait until every queued write-through copy is done; False on timeout."""
-        return self._write_through.flush(timeout_s)
+        """Wait until every queued write-through copy and checksum is done; False on timeout."""
+        return self._checksummer.flush(timeout_s) and self._write_through.flush(timeout_s)
 
     # -- expiry ----------------------------------------------------------------------------
 

@@ -132,6 +132,10 @@ class CacheConfig(_Section):
     reserve one chunk."""
     max_chunks_per_request: int = Field(8192, ge=1)
     """Most chunk hashes accepted in one request."""
+    checksums: bool = True
+    """Keep an xxh3-64 checksum of each arena chunk (taken in the background after commit
+    or promotion; 8 bytes per 4 KiB of arena), checked before a chunk is demoted or written
+    through and when a load or get asks ``verify``: a chunk that fails is dropped."""
 
     @model_validator(mode="after")
     def _check_watermarks(self) -> CacheConfig:

@@ -37,6 +37,9 @@ class CacheSettings:
     session-less callers together) may hold reserved, expired reservations not yet let go
     of (quarantined) included."""
     max_chunks_per_request: int = 8192
+    checksums: bool = True
+    """Keep an xxh3-64 of each first-tier chunk (taken in the background after commit or
+    promotion), checked on demotion, write-through and loads that ask ``verify``."""
     maintenance_interval_s: float = 0.05
 
 

@@ -124,9 +124,7 @@ class Sessions:
         now = time.monotonic() if now is None else now
         with self._lock:
             lease_ids = [i for i, lease in self._leases.items() if lease.deadline <= now]
-            stale = [
-                (k, e) for k, e in self._index.pending() if e.pins == 0 and e.deadline <= now
-            ]
+            stale = [(k, e) for k, e in self._index.pending() if e.pins == 0 and e.deadline <= now]
             for key, entry in stale:
                 self._index.quarantine(key, entry)
         for lease_id in lease_ids:

@@ -16,8 +16,9 @@ from lmcache_svc.keys import KVLayout, Namespace
 from lmcache_svc.policy import CacheSettings
 from lmcache_svc.tiers.cpu import CpuTier
 
-LAYOUT = KVLayout("uint8", num_layers=1, num_kv_heads=1, head_size=128, block_size=16,
-                  page_layout="test")
+LAYOUT = KVLayout(
+    "uint8", num_layers=1, num_kv_heads=1, head_size=128, block_size=16, page_layout="test"
+)
 NS = Namespace(model="m", layout=LAYOUT, chunk_size=256)
 CHUNK = NS.chunk_bytes
 NS_ID = NS.namespace_id

@@ -78,6 +78,7 @@ def build_cache(config: Config) -> TieredCache:
         max_reservation_ttl_s=k.max_reservation_ttl_s,
         max_reserved_fraction=k.max_reserved_fraction,
         max_chunks_per_request=k.max_chunks_per_request,
+        checksums=k.checksums,
     )
     return TieredCache(CpuTier(arena), lower, settings=settings, metrics=Metrics())
 

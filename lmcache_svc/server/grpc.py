@@ -190,6 +190,7 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
             request.chunk_hashes,
             session_id=request.session_id or None,
             ttl_s=request.ttl_ms / 1000,
+            verify=request.verify,
         )
         slots = [
             pb.SlotRef(chunk_hash=h, offset=s.offset, length=s.length)
@@ -249,7 +250,9 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
         try:
             keys = [check_chunk_hash(h) for h in request.chunk_hashes]
             for h in keys:
-                found = await self._run(self._cache.get, request.namespace_id, h)
+                found = await self._run(
+                    self._cache.get, request.namespace_id, h, verify=request.verify
+                )
                 if found is None:
                     yield pb.ChunkPart(
                         header=pb.ChunkHeader(

@@ -77,5 +77,3 @@ def serve(tmp_path: Path) -> Iterator[Callable[..., InProcessServer]]:
     yield make
     for srv in made:
         srv.close()
-
-

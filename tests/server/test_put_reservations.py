@@ -21,7 +21,6 @@ from lmcache_svc import errors
 from lmcache_svc.client import CacheClient
 from lmcache_svc.v1 import cache_pb2 as pb
 from lmcache_svc.v1 import cache_pb2_grpc as pb_grpc
-
 from tests.server.inprocess import CHUNK, NS_ID, InProcessServer
 from tests.server.inprocess import serve as serve  # the fixture
 
@@ -80,8 +79,11 @@ def test_stalled_put_never_writes_into_a_slot_given_to_another_chunk(serve) -> N
     wait_for(lambda: srv.cache.num_pending_stores() == 1, "a's reservation")
     with CacheClient(srv.socket, use_shm=False) as client:
         # "b" is stored as soon as the arena has room again (a's slot back in circulation)
-        wait_for(lambda: client.put(NS_ID, [(make_hash("b"), make_chunk("b"))]) == 1,
-                 "room for b", timeout_s=60)
+        wait_for(
+            lambda: client.put(NS_ID, [(make_hash("b"), make_chunk("b"))]) == 1,
+            "room for b",
+            timeout_s=60,
+        )
         resume.set()
         writer.join(60)
         assert client.get(NS_ID, [make_hash("b")]) == [make_chunk("b")]
@@ -133,12 +135,18 @@ def test_session_less_prepare_and_commit_are_refused(serve) -> None:
     srv = serve(4)
     channel, stub = stub_for(srv)
     for call, request in (
-        (stub.PrepareStore, pb.PrepareStoreRequest(namespace_id=NS_ID,
-                                                   chunk_hashes=[make_hash("a")])),
-        (stub.CommitStore, pb.CommitStoreRequest(namespace_id=NS_ID,
-                                                 chunk_hashes=[make_hash("a")])),
-        (stub.CommitStore, pb.CommitStoreRequest(namespace_id=NS_ID,
-                                                 chunk_hashes=[make_hash("a")], abort=True)),
+        (
+            stub.PrepareStore,
+            pb.PrepareStoreRequest(namespace_id=NS_ID, chunk_hashes=[make_hash("a")]),
+        ),
+        (
+            stub.CommitStore,
+            pb.CommitStoreRequest(namespace_id=NS_ID, chunk_hashes=[make_hash("a")]),
+        ),
+        (
+            stub.CommitStore,
+            pb.CommitStoreRequest(namespace_id=NS_ID, chunk_hashes=[make_hash("a")], abort=True),
+        ),
     ):
         with pytest.raises(grpc.RpcError) as info:
             call(request, timeout=30)
@@ -166,8 +174,12 @@ def test_one_session_cannot_reserve_the_whole_arena_for_long(serve) -> None:
     channel, stub = stub_for(srv)
     sid = srv.cache.open_session()
     with pytest.raises(grpc.RpcError) as info:
-        stub.PrepareStore(pb.PrepareStoreRequest(namespace_id=NS_ID, chunk_hashes=hashes[3:],
-                                                 session_id=sid, ttl_ms=600_000), timeout=30)
+        stub.PrepareStore(
+            pb.PrepareStoreRequest(
+                namespace_id=NS_ID, chunk_hashes=hashes[3:], session_id=sid, ttl_ms=600_000
+            ),
+            timeout=30,
+        )
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "ttl must be in (0, 120.0]" in info.value.details()
     channel.close()
