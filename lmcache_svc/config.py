@@ -144,6 +144,11 @@ class CacheConfig(_Section):
                 f"low_watermark ({self.low_watermark}) must be below high_watermark "
                 f"({self.high_watermark})"
             )
+        if self.reservation_ttl_s > self.max_reservation_ttl_s:
+            raise ValueError(
+                f"reservation_ttl_s ({self.reservation_ttl_s}) must not exceed "
+                f"max_reservation_ttl_s ({self.max_reservation_ttl_s})"
+            )
         return self
 
 

@@ -184,7 +184,9 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
     @_rpc
     async def PrepareLoad(self, request: Any, context: Any) -> pb.PrepareLoadResponse:
         self._check_session(request.session_id)
-        lease = await self._slots(
+        # verify hashes every leased chunk: bulk work, never on the event loop
+        run = self._run if request.verify else self._slots
+        lease = await run(
             self._cache.prepare_load,
             request.namespace_id,
             request.chunk_hashes,
