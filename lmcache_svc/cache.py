@@ -472,13 +472,19 @@ class TieredCache:
     # -- expiry ----------------------------------------------------------------------------
 
     def reap_expired(self, now: float | None = None) -> int:
-        """Release leases and reservations past their deadline; returns how many."""
-        return self._sessions.reap_expired(now)
+        """Release leases past their deadline and quarantine such reservations; returns
+        how many."""
+        num = self._sessions.reap_expired(now)
+        self._update_pending()
+        return num
 
     # -- helpers ---------------------------------------------------------------------------
 
     def _update_pending(self) -> None:
-        self.metrics.pending_stores.set(self.num_pending_stores())
+        with self._lock:
+            num_pending, quarantined = self._index.num_pending, self._index.quarantined_bytes
+        self.metrics.pending_stores.set(num_pending)
+        self.metrics.quarantined_bytes.set(quarantined)
 
     def num_pending_stores(self) -> int:
         with self._lock:

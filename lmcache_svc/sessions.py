@@ -72,11 +72,12 @@ class Sessions:
             self._sessions.discard(session_id)
             lease_ids = [i for i, lease in self._leases.items() if lease.session_id == session_id]
             owned = [k for k, e in self._index.pending() if e.owner == session_id]
-            owned += self._index.quarantined_of(session_id)
+            quarantined = self._index.quarantined_of(session_id)  # counted when they expired
         for lease_id in lease_ids:
             if self.release(lease_id):
                 self._metrics.expired.labels(what="lease").inc()
         self._metrics.expired.labels(what="reservation").inc(self._abort(owned))
+        self._abort(quarantined)
 
     # -- leases ----------------------------------------------------------------------------
 

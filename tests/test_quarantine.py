@@ -84,8 +84,10 @@ def test_session_end_releases_its_quarantine(make_cache) -> None:
     cache.prepare_store(NS_ID, [h("a"), h("b")], session_id=sid, ttl_s=1)
     cache.reap_expired(now=FOREVER)
     assert cache.tiers[0].used_bytes == 2 * CHUNK and cache.stats().pending_stores == 0
+    assert cache.metrics.quarantined_bytes._value.get() == 2 * CHUNK
     cache.close_session(sid)
     assert cache.tiers[0].used_bytes == 0
+    assert cache.metrics.quarantined_bytes._value.get() == 0
     assert cache.put(NS_ID, h("a"), chunk("a")) == "reserved"
 
 
