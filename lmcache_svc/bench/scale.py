@@ -33,6 +33,7 @@ import numpy as np
 
 from lmcache_svc.bench import plots
 from lmcache_svc.bench.lookup import (
+    INDEX_ONLY_ENV,
     Clients,
     Latency,
     arena_bytes,
@@ -89,7 +90,13 @@ def _index_scale(ctx: BenchContext, report: Report, steps: list[int]) -> None:
     capacity = arena_bytes(steps[-1])
     iters = ctx.option("iters", 300 if ctx.quick else 3000)
     server = start_server(
-        ctx.work_dir, "--cpu-bytes", str(capacity), "--prefault", "off", timeout_s=60.0
+        ctx.work_dir,
+        "--cpu-bytes",
+        str(capacity),
+        "--prefault",
+        "off",
+        env=INDEX_ONLY_ENV,
+        timeout_s=60.0,
     )
     clients: Clients | None = None
     rows: list[dict[str, Any]] = []
