@@ -284,6 +284,8 @@ def _load_scale(ctx: BenchContext, report: Report) -> None:
         str(total + 4 * chunk + 64 * 2**20),
         "--prefault",
         "sync",
+        # the only client stores the whole prefix in one call: let it reserve the arena
+        env={"LMCACHE_SVC_CACHE__MAX_RESERVED_FRACTION": "1.0"},
         timeout_s=120.0,
     )
     try:
