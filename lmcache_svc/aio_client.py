@@ -142,11 +142,13 @@ class AsyncCacheClient:
             raise convert_rpc_error(e) from None
         return int(resp.num_stored)
 
-    async def get(self, namespace_id: bytes, chunk_hashes: Sequence[bytes]) -> list[bytes | None]:
+    async def get(
+        self, namespace_id: bytes, chunk_hashes: Sequence[bytes], *, verify: bool = False
+    ) -> list[bytes | None]:
         assembler = GetAssembler()
         try:
             call = self._stub.Get(
-                pb.GetRequest(namespace_id=namespace_id, chunk_hashes=chunk_hashes),
+                pb.GetRequest(namespace_id=namespace_id, chunk_hashes=chunk_hashes, verify=verify),
                 timeout=self.timeout_s * max(1, len(chunk_hashes)),
                 metadata=self._metadata,
             )
@@ -293,12 +295,16 @@ class AsyncCacheClient:
         )
         return int(resp.num_committed)
 
-    async def prepare_load(self, namespace_id: bytes, chunk_hashes: Sequence[bytes]) -> LoadLease:
-        """Lease the longest available prefix; read the buffers, then ``release_load``."""
+    async def prepare_load(
+        self, namespace_id: bytes, chunk_hashes: Sequence[bytes], *, verify: bool = False
+    ) -> LoadLease:
+        """Lease the longest available prefix; read the (read-only) buffers, then
+        ``release_load``. ``verify``: the server first checks each chunk against its checksum
+        and leases only the intact prefix."""
         session, resp = await self._session_call(
             "PrepareLoad",
             lambda sid: pb.PrepareLoadRequest(
-                namespace_id=namespace_id, chunk_hashes=chunk_hashes, session_id=sid
+                namespace_id=namespace_id, chunk_hashes=chunk_hashes, session_id=sid, verify=verify
             ),
         )
         if not resp.lease_id:
@@ -329,16 +335,19 @@ class AsyncCacheClient:
         committed = await self.commit_store(namespace_id, reserved)
         return committed + sum(s.status == "already_stored" for s in slots)
 
-    async def load(self, namespace_id: bytes, chunk_hashes: Sequence[bytes]) -> list[bytes]:
-        """Bytes of the longest available prefix (shared memory when available, else inline)."""
+    async def load(
+        self, namespace_id: bytes, chunk_hashes: Sequence[bytes], *, verify: bool = False
+    ) -> list[bytes]:
+        """Bytes of the longest available prefix (shared memory when available, else inline);
+        ``verify``: only chunks that match their checksums."""
         if not await self.shm_available():
             out: list[bytes] = []
-            for data in await self.get(namespace_id, chunk_hashes):
+            for data in await self.get(namespace_id, chunk_hashes, verify=verify):
                 if data is None:
                     break
                 out.append(data)
             return out
-        lease = await self.prepare_load(namespace_id, chunk_hashes)
+        lease = await self.prepare_load(namespace_id, chunk_hashes, verify=verify)
         try:
             return [bytes(b) for b in lease.buffers]
         finally:

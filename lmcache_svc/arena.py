@@ -39,6 +39,8 @@ import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Literal
 
+import numpy as np
+
 from lmcache_svc.errors import ConfigError, InvalidArgument
 from lmcache_svc.slab import ALIGN, SlabAllocator, round_up
 from lmcache_svc.tiers.base import Slot
@@ -54,6 +56,7 @@ NONCE_BYTES = 16
 HEADER_BYTES = 4096
 DEFAULT_SLAB_BYTES = 64 << 20
 PREFAULT_RANGE_BYTES = 64 << 20
+MADV_POPULATE_READ: int = getattr(mmap, "MADV_POPULATE_READ", 22)
 MADV_POPULATE_WRITE: int = getattr(mmap, "MADV_POPULATE_WRITE", 23)
 CREATING_PREFIX = ".lmcache-svc-creating-"
 """Hidden name of a segment file between its creation and its locking (never a segment name:
@@ -94,22 +97,27 @@ _MADVISE = _libc_madvise()
 
 
 def _address_of(mm: mmap.mmap) -> int:
-    anchor = ctypes.c_char.from_buffer(mm)  # a buffer export, released with ``anchor``
-    address = ctypes.addressof(anchor)
+    """Start address of a mapping, read-only ones included (``ctypes.from_buffer`` needs a
+    writable buffer); the buffer export is released before returning."""
+    anchor = np.frombuffer(mm, dtype=np.uint8)
+    address = int(anchor.__array_interface__["data"][0])
     del anchor
     return address
 
 
-def _populate(fd: int | None, mm: mmap.mmap, address: int, start: int, length: int) -> None:
-    """Allocate (server only: ``fd``) and map the pages of ``[start, start + length)``."""
+def _populate(
+    fd: int | None, mm: mmap.mmap, address: int, start: int, length: int, advice: int
+) -> None:
+    """Allocate (server only: ``fd``) and map the pages of ``[start, start + length)``
+    (``advice``: MADV_POPULATE_WRITE, or MADV_POPULATE_READ for a read-only mapping)."""
     if fd is not None:
         os.posix_fallocate(fd, start, length)  # also fails early with ENOSPC, not SIGBUS
     try:
         if _MADVISE is None:
-            mm.madvise(MADV_POPULATE_WRITE, start, length)
-        elif _MADVISE(address + start, length, MADV_POPULATE_WRITE) != 0:
+            mm.madvise(advice, start, length)
+        elif _MADVISE(address + start, length, advice) != 0:
             err = ctypes.get_errno()
-            raise OSError(err, f"madvise(MADV_POPULATE_WRITE): {os.strerror(err)}")
+            raise OSError(err, f"madvise({advice}) to populate: {os.strerror(err)}")
     except OSError as e:
         if e.errno != errno.EINVAL:
             raise
@@ -119,20 +127,25 @@ def _populate(fd: int | None, mm: mmap.mmap, address: int, start: int, length: i
 class _Prefaulter:
     """Populates a whole mapping range by range, inline or in a daemon thread; stoppable."""
 
-    def __init__(self, fd: int | None, mm: mmap.mmap, what: str) -> None:
+    def __init__(self, fd: int | None, mms: list[mmap.mmap], what: str) -> None:
+        """``mms``: the mappings to populate, the first writable, a second read-only."""
         self.done = threading.Event()
         self._stop = threading.Event()
-        self._fd, self._mm, self._address, self._what = fd, mm, _address_of(mm), what
+        self._fd, self._what = fd, what
+        advices = [MADV_POPULATE_WRITE, MADV_POPULATE_READ]
+        self._targets = [(mm, _address_of(mm), advice) for mm, advice in zip(mms, advices)]
         self._thread: threading.Thread | None = None
 
     def run(self) -> None:
-        size = len(self._mm)
         try:
-            for start in range(0, size, PREFAULT_RANGE_BYTES):
-                if self._stop.is_set():
-                    return
-                length = min(PREFAULT_RANGE_BYTES, size - start)
-                _populate(self._fd, self._mm, self._address, start, length)
+            for mm, address, advice in self._targets:
+                fd, self._fd = self._fd, None  # allocate once, with the first mapping
+                size = len(mm)
+                for start in range(0, size, PREFAULT_RANGE_BYTES):
+                    if self._stop.is_set():
+                        return
+                    length = min(PREFAULT_RANGE_BYTES, size - start)
+                    _populate(fd, mm, address, start, length, advice)
         finally:
             self.done.set()
 
@@ -169,7 +182,7 @@ class Arena:
         self._buf = memoryview(mm)
         self._alloc = allocator
         self._lock = threading.Lock()
-        self._prefaulter = _Prefaulter(fd, mm, name)
+        self._prefaulter = _Prefaulter(fd, [mm], name)
         self.prefault_done = self._prefaulter.done
 
     @classmethod
@@ -417,14 +430,23 @@ def _close_mmap(buf: memoryview, mm: mmap.mmap) -> None:
 
 
 class ArenaMapping:
-    """Client side: a read-write mapping of a server's segment, checked by its nonce."""
+    """Client side: a server's segment mapped twice, read-write for stores and read-only for
+    loads, checked by its nonce.
 
-    def __init__(self, name: str, mm: mmap.mmap) -> None:
+    Load buffers come from the read-only mapping (``view(..., writable=False)``), so a
+    reader's stray write raises ``TypeError`` instead of changing what every later reader
+    of the chunk gets; only reserved slots are handed out writable. The second mapping
+    costs page tables, not memory (same pages), and is pre-faulted with the first.
+    """
+
+    def __init__(self, name: str, mm: mmap.mmap, mm_read: mmap.mmap) -> None:
         self.name = name
         self.size = len(mm)
         self._mm: mmap.mmap | None = mm
+        self._mm_read = mm_read
         self._buf = memoryview(mm)
-        self._prefaulter = _Prefaulter(None, mm, f"client-{name}")
+        self._buf_read = memoryview(mm_read)
+        self._prefaulter = _Prefaulter(None, [mm, mm_read], f"client-{name}")
         self.prefault_done = self._prefaulter.done
 
     @classmethod
@@ -442,22 +464,25 @@ class ArenaMapping:
             if os.fstat(fd).st_size != size or size < HEADER_BYTES:
                 return None
             mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            mm_read = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ)
         except OSError:
             return None
         finally:
             os.close(fd)
         if mm[: len(MAGIC) + NONCE_BYTES] != MAGIC + bytes(nonce):
             mm.close()
+            mm_read.close()
             return None
-        mapping = cls(name, mm)
+        mapping = cls(name, mm, mm_read)
         if prefault:
             mapping._prefaulter.start()
         else:
             mapping.prefault_done.set()
         return mapping
 
-    def view(self, offset: int, length: int) -> memoryview:
-        """Writable view of ``[offset, offset + length)``, which must lie after the header."""
+    def view(self, offset: int, length: int, *, writable: bool = True) -> memoryview:
+        """View of ``[offset, offset + length)``, which must lie after the header: writable
+        (a reserved slot) or read-only (a leased chunk)."""
         if self._mm is None:
             raise RuntimeError(f"mapping of {self.name!r} is closed")
         if not (HEADER_BYTES <= offset and 0 <= length and offset + length <= self.size):
@@ -465,15 +490,17 @@ class ArenaMapping:
                 f"range [{offset}, {offset}+{length}) is outside the slots of segment "
                 f"{self.name!r} ([{HEADER_BYTES}, {self.size}))"
             )
-        return self._buf[offset : offset + length]
+        buf = self._buf if writable else self._buf_read
+        return buf[offset : offset + length]
 
     def close(self) -> None:
-        """Release the mapping (idempotent; live views keep it until they are released)."""
+        """Release the mappings (idempotent; live views keep them until they are released)."""
         mm, self._mm = self._mm, None
         if mm is None:
             return
         self._prefaulter.stop()
         _close_mmap(self._buf, mm)
+        _close_mmap(self._buf_read, self._mm_read)
 
     def __enter__(self) -> Self:
         return self

@@ -8,8 +8,11 @@ from each tier's ``TierPolicy`` and from whether the tier is ``shared``.
 
 Ownership is two-phase and explicit:
 
-- store: ``prepare_store`` reserves slots (owned by a session, with a deadline),
-  ``commit_store`` publishes them, ``abort_store``/expiry/session end gives them back;
+- store: ``prepare_store`` reserves slots (owned by a session, with a deadline; one owner
+  holds at most ``max_reserved_fraction`` of the first tier), ``commit_store`` publishes
+  them, ``abort_store``/session end gives them back. A reservation past its deadline is
+  quarantined, never reused while its writer may still write: a late commit publishes
+  nothing (it answers 0 and frees the slot), as does a late abort or the session's end;
 - load: ``prepare_load`` pins the longest available prefix under a lease, ``release_load``
   (or expiry, or session end) unpins. A pinned chunk is never evicted, demoted or freed.
 
@@ -25,6 +28,7 @@ from __future__ import annotations
 import logging
 import secrets
 import threading
+import time
 from collections import Counter
 from collections.abc import Sequence
 
@@ -32,6 +36,8 @@ from lmcache_svc.chunk_index import ChunkIndex
 from lmcache_svc.errors import (
     InvalidArgument,
     PayloadTooLarge,
+    ReservationExpired,
+    ReservationLimit,
     SizeMismatch,
     TooManyNamespaces,
     UnknownNamespace,
@@ -80,7 +86,14 @@ class TieredCache:
         self._lower = LowerTiers(lower, self.metrics)
         self._lock = threading.RLock()
         self._index = ChunkIndex(first.slot_of)
-        self._first_tier = FirstTier(first, self._index, self._lower, self._lock, self.metrics)
+        self._first_tier = FirstTier(
+            first,
+            self._index,
+            self._lower,
+            self._lock,
+            self.metrics,
+            checksums=self.settings.checksums,
+        )
         self._namespaces: dict[NamespaceId, Namespace] = {}
         self._sessions = Sessions(
             self._lock,
@@ -95,6 +108,9 @@ class TieredCache:
         self._maintenance: threading.Thread | None = None
         self._write_through = WriteThrough(
             self._first_tier.copy_through, enabled=self._lower.has_write_through
+        )
+        self._checksummer = WriteThrough(
+            self._first_tier.record_checksums, enabled=self.settings.checksums, name="checksums"
         )
         self.metrics.watch_tiers(lambda: [t.stats() for t in self.tiers])
 
@@ -114,6 +130,7 @@ class TieredCache:
         )
         self._maintenance.start()
         self._write_through.start()
+        self._checksummer.start()
 
     def close(self) -> None:
         """Stop background work, finish queued write-throughs, close every tier."""
@@ -122,6 +139,7 @@ class TieredCache:
         if self._maintenance is not None:
             self._maintenance.join(timeout=10)
         self._write_through.stop()
+        self._checksummer.stop()
         self._first.close()
         self._lower.close()
 
@@ -255,13 +273,29 @@ class TieredCache:
     ) -> list[PreparedStore]:
         keys = self._keys(namespace_id, chunk_hashes)
         nbytes = self.namespace(namespace_id).chunk_bytes
-        deadline = self._sessions.deadline(ttl_s, self.settings.reservation_ttl_s)
+        s = self.settings
+        deadline = self._sessions.deadline(ttl_s, s.reservation_ttl_s, s.max_reservation_ttl_s)
+        self._check_reservation_limit(session_id, len(keys), nbytes)
         out: list[PreparedStore] = []
         for key, h in zip(keys, chunk_hashes):
             status, slot = self._reserve(key, nbytes, session_id, deadline)
             out.append(PreparedStore(ChunkHash(bytes(h)), status, slot))
         self._update_pending()
         return out
+
+    def _check_reservation_limit(self, owner: str | None, num: int, chunk_bytes: int) -> None:
+        """An owner holds at most its share of the first tier reserved (one chunk always)."""
+        limit = int(self.settings.max_reserved_fraction * self._first.capacity_bytes)
+        nbytes = num * chunk_bytes
+        with self._lock:
+            held = self._index.owned_bytes(owner)
+        if held + nbytes > max(limit, chunk_bytes):
+            who = f"session {owner!r}" if owner else "session-less callers"
+            raise ReservationLimit(
+                f"{who} would hold {held + nbytes} bytes reserved (expired reservations not "
+                f"yet committed or aborted included); the limit is {limit} bytes "
+                f"(cache.max_reserved_fraction of the first tier): commit or abort first"
+            )
 
     def _reserve(
         self, key: ChunkKey, nbytes: int, owner: str | None, deadline: float
@@ -282,16 +316,22 @@ class TieredCache:
     ) -> int:
         keys = self._keys(namespace_id, chunk_hashes)
         committed: list[ChunkKey] = []
+        now = time.monotonic()
         with self._lock:
             for key in keys:
                 entry = self._index.entry(key)
                 if entry is None or entry.ready or entry.doomed or entry.owner != session_id:
+                    continue
+                if entry.expired or entry.deadline <= now:  # its slot may have been rewritten
+                    if entry.pins == 0:
+                        self._first_tier.free(key)
                     continue
                 self._index.mark_ready(key, entry)
                 self._index.touch(key)
                 self.metrics.bytes_written.labels(tier=self._first.name).inc(entry.slot.length)
                 committed.append(key)
         self._update_pending()
+        self._checksummer.submit(committed)
         self._write_through.submit(committed)
         self._wake_if_above_watermark()
         return len(committed)
@@ -335,8 +375,28 @@ class TieredCache:
             except BaseException:
                 self.abort_store(namespace_id, [chunk_hash], session_id=owner)
                 raise
-            self.commit_store(namespace_id, [chunk_hash], session_id=owner)
+            if not self.commit_store(namespace_id, [chunk_hash], session_id=owner):
+                raise ReservationExpired(
+                    f"chunk {bytes(chunk_hash).hex()} was not stored: its reservation expired"
+                )
         return prepared.status
+
+    def renew_store(
+        self, namespace_id: bytes, chunk_hash: bytes, owner: str, deadline: float
+    ) -> bool:
+        """True while ``owner`` still holds the chunk's reservation, which is then extended
+        to ``deadline`` (never shortened); False once it expired or is gone. A server-side
+        writer asks before each write into the slot."""
+        (key,) = make_chunk_keys(self.namespace(namespace_id).namespace_id, [chunk_hash])
+        now = time.monotonic()
+        with self._lock:
+            entry = self._index.entry(key)
+            if entry is None or entry.ready or entry.owner != owner or entry.expired:
+                return False
+            if entry.deadline <= now:
+                return False
+            entry.deadline = max(entry.deadline, deadline)
+            return True
 
     # -- load ------------------------------------------------------------------------------
 
@@ -347,12 +407,15 @@ class TieredCache:
         *,
         session_id: str | None = None,
         ttl_s: float | None = None,
+        verify: bool = False,
     ) -> LeasedSlots:
-        """Pin the longest available prefix in the first tier, promoting from lower tiers."""
+        """Pin the longest available prefix in the first tier, promoting from lower tiers;
+        with ``verify``, only the leading chunks whose bytes match their checksums."""
         keys = self._keys(namespace_id, chunk_hashes)
         nbytes = self.namespace(namespace_id).chunk_bytes
         # Checked before anything is pinned: a bad ttl must not leave pins behind.
-        deadline = self._sessions.deadline(ttl_s, self.settings.lease_ttl_s)
+        s = self.settings
+        deadline = self._sessions.deadline(ttl_s, s.lease_ttl_s, s.max_lease_ttl_s)
         pinned: list[ChunkKey] = []
         sources: list[str] = []
         with self._lock:
@@ -365,8 +428,11 @@ class TieredCache:
                 sources.append(self._first.name)
         if len(pinned) < len(keys):
             promoted, promoted_from = self._first_tier.promote(keys[len(pinned) :], nbytes)
+            self._checksummer.submit(promoted)
             pinned += promoted
             sources += promoted_from
+        if verify:
+            pinned, sources = self._verified(pinned, sources)
         if not pinned:
             return LeasedSlots(None)
         with self._lock:
@@ -376,12 +442,26 @@ class TieredCache:
             self.metrics.bytes_read.labels(tier=name).inc(slot.length)
         return LeasedSlots(lease_id, slots, sources)
 
+    def _verified(
+        self, pinned: list[ChunkKey], sources: list[str]
+    ) -> tuple[list[ChunkKey], list[str]]:
+        """The intact prefix of pinned chunks; the rest are unpinned (a corrupted one is
+        dropped, so a later load may promote a good copy from a lower tier)."""
+        num = self._first_tier.verified_prefix(pinned)
+        with self._lock:
+            for key in pinned[num:]:
+                self._first_tier.unpin(key)
+        return pinned[:num], sources[:num]
+
     def release_load(self, lease_id: str) -> bool:
         return self._sessions.release(lease_id)
 
-    def get(self, namespace_id: bytes, chunk_hash: bytes) -> tuple[bytes, str] | None:
-        """One chunk's bytes and the tier it was found in, or None."""
-        lease = self.prepare_load(namespace_id, [chunk_hash])
+    def get(
+        self, namespace_id: bytes, chunk_hash: bytes, *, verify: bool = False
+    ) -> tuple[bytes, str] | None:
+        """One chunk's bytes and the tier it was found in, or None (with ``verify``, also
+        when its bytes differ from its checksum: the chunk is then dropped)."""
+        lease = self.prepare_load(namespace_id, [chunk_hash], verify=verify)
         if lease.lease_id is None:
             return None
         try:
@@ -432,19 +512,25 @@ class TieredCache:
     # -- write-through ---------------------------------------------------------------------
 
     def flush(self, timeout_s: float = 30.0) -> bool:
-        """Wait until every queued write-through copy is done; False on timeout."""
-        return self._write_through.flush(timeout_s)
+        """Wait until every queued write-through copy and checksum is done; False on timeout."""
+        return self._checksummer.flush(timeout_s) and self._write_through.flush(timeout_s)
 
     # -- expiry ----------------------------------------------------------------------------
 
     def reap_expired(self, now: float | None = None) -> int:
-        """Release leases and reservations past their deadline; returns how many."""
-        return self._sessions.reap_expired(now)
+        """Release leases past their deadline and quarantine such reservations; returns
+        how many."""
+        num = self._sessions.reap_expired(now)
+        self._update_pending()
+        return num
 
     # -- helpers ---------------------------------------------------------------------------
 
     def _update_pending(self) -> None:
-        self.metrics.pending_stores.set(self.num_pending_stores())
+        with self._lock:
+            num_pending, quarantined = self._index.num_pending, self._index.quarantined_bytes
+        self.metrics.pending_stores.set(num_pending)
+        self.metrics.quarantined_bytes.set(quarantined)
 
     def num_pending_stores(self) -> int:
         with self._lock:

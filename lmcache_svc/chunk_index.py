@@ -7,6 +7,12 @@ in flux (reserved, being promoted, pinned by a lease or a copy, or deleted while
 gets an ``Entry`` with its state for that time, dropped again when it settles. The order is
 least recently used first.
 
+Reservations are counted per owner (``owned_bytes``), and a reservation that passed its
+deadline is *quarantined* rather than freed: its writer (a client holding a view of the slot
+in shared memory, or an inline upload) may still be writing, so the slot stays out of
+circulation, the key stays busy, and only its owner's commit or abort, or the end of its
+session, gives the slot back. A quarantined entry never becomes readable.
+
 Not locked: the cache's lock guards every call.
 """
 
@@ -31,6 +37,8 @@ class Entry:
     pins: int = 0
     doomed: bool = False
     """Deleted while pinned: freed when the last pin goes."""
+    expired: bool = False
+    """A reservation past its deadline, quarantined until its owner lets go of it."""
 
     @property
     def at_rest(self) -> bool:
@@ -42,6 +50,8 @@ class ChunkIndex:
         self._tier_slot_of = tier_slot_of
         self._items: OrderedDict[ChunkKey, Entry | None] = OrderedDict()  # None: at rest
         self._pending: set[ChunkKey] = set()  # not ready yet: reserved or being promoted
+        self._quarantined: dict[ChunkKey, str | None] = {}  # expired reservation -> owner
+        self._owned_bytes: dict[str | None, int] = {}  # reserved + quarantined, per owner
         self.detached: set[ChunkKey] = set()
         """Keys evicted from the index whose bytes are being demoted (not yet freed)."""
 
@@ -79,11 +89,42 @@ class ChunkIndex:
     def reserve(self, key: ChunkKey, slot: Slot, owner: str | None, deadline: float) -> None:
         self._items[key] = Entry(slot, ready=False, owner=owner, deadline=deadline)
         self._pending.add(key)
+        self._owned_bytes[owner] = self._owned_bytes.get(owner, 0) + slot.length
 
     def mark_ready(self, key: ChunkKey, entry: Entry) -> None:
+        if entry.expired:
+            raise RuntimeError(f"chunk {key.hex()}: an expired reservation cannot be committed")
+        self._disown(entry)
         entry.ready, entry.owner = True, None
         self._pending.discard(key)
         self.settle(key, entry)
+
+    def quarantine(self, key: ChunkKey, entry: Entry) -> None:
+        """An expired reservation: no longer pending, never committable, slot kept."""
+        entry.expired = True
+        self._pending.discard(key)
+        self._quarantined[key] = entry.owner
+
+    def quarantined_of(self, owner: str | None) -> list[ChunkKey]:
+        return [k for k, o in self._quarantined.items() if o == owner]
+
+    def owned_bytes(self, owner: str | None) -> int:
+        """Bytes of the slots ``owner`` holds reserved, quarantined ones included."""
+        return self._owned_bytes.get(owner, 0)
+
+    @property
+    def quarantined_bytes(self) -> int:
+        items = self._items
+        return sum(e.slot.length for k in self._quarantined if (e := items[k]) is not None)
+
+    def _disown(self, entry: Entry) -> None:
+        if entry.ready:
+            return
+        left = self._owned_bytes[entry.owner] - entry.slot.length
+        if left:
+            self._owned_bytes[entry.owner] = left
+        else:
+            del self._owned_bytes[entry.owner]
 
     def settle(self, key: ChunkKey, entry: Entry) -> None:
         """Back to the bare slot once the chunk is at rest (its LRU position is kept)."""
@@ -101,8 +142,11 @@ class ChunkIndex:
 
     def remove(self, key: ChunkKey) -> Slot:
         slot = self.slot_of(key)
-        del self._items[key]
+        entry = self._items.pop(key)
+        if entry is not None:
+            self._disown(entry)
         self._pending.discard(key)
+        self._quarantined.pop(key, None)
         return slot
 
     def pending(self) -> Iterator[tuple[ChunkKey, Entry]]:

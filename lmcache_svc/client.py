@@ -235,12 +235,16 @@ class CacheClient:
         )
         return int(resp.num_committed)
 
-    def prepare_load(self, namespace_id: bytes, chunk_hashes: Sequence[bytes]) -> LoadLease:
-        """Lease the longest available prefix; read the buffers, then ``release_load``."""
+    def prepare_load(
+        self, namespace_id: bytes, chunk_hashes: Sequence[bytes], *, verify: bool = False
+    ) -> LoadLease:
+        """Lease the longest available prefix; read the (read-only) buffers, then
+        ``release_load``. ``verify``: the server first checks each chunk against its checksum
+        and leases only the intact prefix."""
         session, resp = self._session_call(
             "PrepareLoad",
             lambda sid: pb.PrepareLoadRequest(
-                namespace_id=namespace_id, chunk_hashes=chunk_hashes, session_id=sid
+                namespace_id=namespace_id, chunk_hashes=chunk_hashes, session_id=sid, verify=verify
             ),
         )
         if not resp.lease_id:
@@ -282,16 +286,19 @@ class CacheClient:
         committed = self.commit_store(namespace_id, reserved)
         return committed + sum(s.status == "already_stored" for s in slots)
 
-    def load(self, namespace_id: bytes, chunk_hashes: Sequence[bytes]) -> list[bytes]:
-        """Bytes of the longest available prefix (shared memory when available, else inline)."""
+    def load(
+        self, namespace_id: bytes, chunk_hashes: Sequence[bytes], *, verify: bool = False
+    ) -> list[bytes]:
+        """Bytes of the longest available prefix (shared memory when available, else inline);
+        ``verify``: only chunks that match their checksums."""
         if not self.shm_available:
             out: list[bytes] = []
-            for data in self.get(namespace_id, chunk_hashes):
+            for data in self.get(namespace_id, chunk_hashes, verify=verify):
                 if data is None:
                     break
                 out.append(data)
             return out
-        lease = self.prepare_load(namespace_id, chunk_hashes)
+        lease = self.prepare_load(namespace_id, chunk_hashes, verify=verify)
         try:
             return [bytes(b) for b in lease.buffers]
         finally:
@@ -309,12 +316,14 @@ class CacheClient:
             raise convert_rpc_error(e) from None
         return int(resp.num_stored)
 
-    def get(self, namespace_id: bytes, chunk_hashes: Sequence[bytes]) -> list[bytes | None]:
+    def get(
+        self, namespace_id: bytes, chunk_hashes: Sequence[bytes], *, verify: bool = False
+    ) -> list[bytes | None]:
         """Inline load (streamed); None for each chunk not found."""
         assembler = GetAssembler()
         try:
             for part in self._stub.Get(
-                pb.GetRequest(namespace_id=namespace_id, chunk_hashes=chunk_hashes),
+                pb.GetRequest(namespace_id=namespace_id, chunk_hashes=chunk_hashes, verify=verify),
                 timeout=self.timeout_s * max(1, len(chunk_hashes)),
                 metadata=self._metadata,
             ):

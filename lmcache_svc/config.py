@@ -131,14 +131,27 @@ class CacheConfig(_Section):
     lease_ttl_s: float = Field(30.0, gt=0)
     """Default lifetime of a load lease (pinned chunks) when the client gives none."""
     max_lease_ttl_s: float = Field(600.0, gt=0)
-    """Longest lease or reservation lifetime a client may ask for."""
+    """Longest lease lifetime a client may ask for."""
     reservation_ttl_s: float = Field(30.0, gt=0)
-    """Default lifetime of a store reservation before it is reclaimed."""
+    """Default lifetime of a store reservation before it expires (an inline upload's is
+    extended while its data keeps arriving)."""
+    max_reservation_ttl_s: float = Field(120.0, gt=0)
+    """Longest store reservation lifetime a client may ask for (or an inline upload may
+    last); its slots are unusable meanwhile."""
+    max_reserved_fraction: float = Field(0.5, gt=0, le=1)
+    """Most of the arena one session (or one inline upload) may hold reserved, expired
+    reservations it has not committed or aborted yet included; over it, PrepareStore fails
+    with reservation_limit (gRPC RESOURCE_EXHAUSTED). An owner holding nothing may always
+    reserve one chunk."""
     max_chunks_per_request: int = Field(8192, ge=1)
     """Most chunk hashes accepted in one request."""
     max_namespaces: int = Field(4096, ge=1)
     """Most namespaces registered at once; one more is refused (RESOURCE_EXHAUSTED / 507)
     until the server restarts. Registering an existing namespace again always works."""
+    checksums: bool = True
+    """Keep an xxh3-64 checksum of each arena chunk (taken in the background after commit
+    or promotion; 8 bytes per 4 KiB of arena), checked before a chunk is demoted or written
+    through and when a load or get asks ``verify``: a chunk that fails is dropped."""
 
     @model_validator(mode="after")
     def _check_watermarks(self) -> CacheConfig:
@@ -146,6 +159,11 @@ class CacheConfig(_Section):
             raise ValueError(
                 f"low_watermark ({self.low_watermark}) must be below high_watermark "
                 f"({self.high_watermark})"
+            )
+        if self.reservation_ttl_s > self.max_reservation_ttl_s:
+            raise ValueError(
+                f"reservation_ttl_s ({self.reservation_ttl_s}) must not exceed "
+                f"max_reservation_ttl_s ({self.max_reservation_ttl_s})"
             )
         return self
 

@@ -69,6 +69,12 @@ class UnknownSession(NotFound):
     kind = "unknown_session"
 
 
+class ReservationExpired(NotFound):
+    """A store reservation passed its deadline before it was committed: nothing was stored."""
+
+    kind = "reservation_expired"
+
+
 class NoSpace(LMCacheSvcError):
     """No tier could make room without evicting pinned data."""
 
@@ -79,6 +85,12 @@ class TooManyNamespaces(LMCacheSvcError):
     """The server holds ``cache.max_namespaces`` namespaces already; a new one is refused."""
 
     kind = "too_many_namespaces"
+
+
+class ReservationLimit(NoSpace):
+    """One owner (session or upload) already holds its share of the first tier reserved."""
+
+    kind = "reservation_limit"
 
 
 class Unauthenticated(LMCacheSvcError):

@@ -5,6 +5,11 @@ between the first tier and the lower ones: demotion of evicted chunks, promotion
 found only below (for a load), and write-through copies of committed chunks. Bulk copies
 run outside the lock, on entries that are pinned or detached from the index meanwhile.
 
+Checksums (``checksums.py``, when enabled): taken in the background after a commit or a
+promotion (``record_checksums``), checked before bytes leave the arena (demotion,
+write-through) and on a verified load (``verified_prefix``). A chunk that fails is dropped
+and counted (``tier_errors{kind="corrupted"}``), never handed on.
+
 Locking: shares the cache's (reentrant) lock. ``allocate``, ``evict``, ``promote`` and
 ``copy_through`` take it themselves and must be called without it (they copy bulk bytes
 outside it); ``free`` and ``unpin`` assume the caller holds it.
@@ -12,13 +17,18 @@ outside it); ``free`` and ``unpin`` assume the caller holds it.
 
 from __future__ import annotations
 
+import logging
 import threading
+from collections.abc import Sequence
 
+from lmcache_svc.checksums import SlotChecksums, checksum
 from lmcache_svc.chunk_index import ChunkIndex
 from lmcache_svc.keys import ChunkKey
 from lmcache_svc.lower import LowerTier, LowerTiers
 from lmcache_svc.metrics import Metrics
 from lmcache_svc.tiers.base import Slot, SlotTier
+
+log = logging.getLogger(__name__)
 
 
 class FirstTier:
@@ -29,12 +39,15 @@ class FirstTier:
         lower: LowerTiers,
         lock: threading.RLock,
         metrics: Metrics,
+        *,
+        checksums: bool = True,
     ) -> None:
         self._tier = tier
         self._index = index
         self._lower = lower
         self._lock = lock
         self._metrics = metrics
+        self._sums = SlotChecksums(tier.segment().size) if checksums else None
 
     def allocate(
         self, key: ChunkKey, nbytes: int, owner: str | None, deadline: float
@@ -59,10 +72,13 @@ class FirstTier:
                 self._index.remove(key)
                 self._index.detached.add(key)
         for key, slot in victims:
-            self._lower.demote(key, self._tier.view(slot))
+            view = self._tier.view(slot)
+            if self._intact(key, slot, view):
+                self._lower.demote(key, view)
         with self._lock:
-            for key, _ in victims:
+            for key, slot in victims:
                 self._index.detached.discard(key)
+                self._clear_sum(slot)
                 self._tier.delete(key)
         self._metrics.evictions.labels(tier=self._tier.name).inc(len(victims))
         return len(victims)
@@ -115,7 +131,9 @@ class FirstTier:
                 self._index.pin(key)
             slots = [self._index.slot_of(k) for k in pinned]
         try:
-            self._lower.copy_through([(k, self._tier.view(s)) for k, s in zip(pinned, slots)])
+            items = [(k, s, self._tier.view(s)) for k, s in zip(pinned, slots)]
+            intact = [(k, v) for k, s, v in items if self._intact(k, s, v, condemn=True)]
+            self._lower.copy_through(intact)
         finally:
             with self._lock:
                 for key in pinned:
@@ -134,5 +152,61 @@ class FirstTier:
 
     def free(self, key: ChunkKey) -> None:
         """Drop a first-tier entry and its slot (caller holds the lock)."""
-        self._index.remove(key)
+        self._clear_sum(self._index.remove(key))
         self._tier.delete(key)
+
+    # -- checksums -------------------------------------------------------------------------
+
+    def record_checksums(self, keys: Sequence[ChunkKey]) -> None:
+        """Take the checksums of committed or promoted chunks (on a background thread)."""
+        sums = self._sums
+        if sums is None:
+            return
+        with self._lock:
+            pinned = [k for k in keys if self._index.readable(k)]
+            for key in pinned:
+                self._index.pin(key)
+            slots = [self._index.slot_of(k) for k in pinned]
+        try:
+            values = [checksum(self._tier.view(s)) for s in slots]
+            with self._lock:
+                for slot, value in zip(slots, values):
+                    if sums.stored(slot) is None:
+                        sums.record(slot, value)
+        finally:
+            with self._lock:
+                for key in pinned:
+                    self.unpin(key)
+
+    def verified_prefix(self, keys: Sequence[ChunkKey]) -> int:
+        """How many of ``keys`` (pinned) lead with intact bytes; the first chunk that fails
+        is dropped (freed when its pins go). A chunk without a checksum gets one now."""
+        for num, key in enumerate(keys):
+            with self._lock:
+                slot = self._index.slot_of(key)
+            view = self._tier.view(slot)
+            if not self._intact(key, slot, view, condemn=True):
+                return num
+            if self._sums is not None and self._sums.stored(slot) is None:
+                value = checksum(view)
+                with self._lock:
+                    self._sums.record(slot, value)
+        return len(keys)
+
+    def _intact(self, key: ChunkKey, slot: Slot, view: memoryview, condemn: bool = False) -> bool:
+        """False when the chunk's bytes differ from its checksum (counted; with ``condemn``,
+        the chunk, pinned by the caller, is dropped when its last pin goes)."""
+        if self._sums is None or self._sums.check(slot, view) is not False:
+            return True
+        log.error("chunk %s in %s differs from its checksum: dropped", key.hex(), self._tier.name)
+        self._metrics.tier_errors.labels(tier=self._tier.name, kind="corrupted").inc()
+        if condemn:
+            with self._lock:
+                entry = self._index.entry(key)
+                if entry is not None:
+                    entry.doomed = True
+        return False
+
+    def _clear_sum(self, slot: Slot) -> None:
+        if self._sums is not None:
+            self._sums.clear(slot)

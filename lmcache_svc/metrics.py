@@ -142,6 +142,11 @@ class Metrics:
             "Slots reserved by PrepareStore and not yet committed",
             registry=r,
         )
+        self.quarantined_bytes = Gauge(
+            "lmcache_svc_quarantined_bytes",
+            "Bytes of expired reservations kept out of circulation until their writer lets go",
+            registry=r,
+        )
         self.errors = Counter(
             "lmcache_svc_errors", "Errors by kind (see lmcache_svc/errors.py)", ["kind"], registry=r
         )

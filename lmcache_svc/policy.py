@@ -38,11 +38,20 @@ class CacheSettings:
     lease_ttl_s: float = 30.0
     max_lease_ttl_s: float = 600.0
     reservation_ttl_s: float = 30.0
+    max_reservation_ttl_s: float = 120.0
+    """Longest store reservation a client may ask for (its slots are unusable meanwhile)."""
+    max_reserved_fraction: float = 0.5
+    """Most of the first tier's capacity one owner (a session, an inline upload, or all
+    session-less callers together) may hold reserved, expired reservations not yet let go
+    of (quarantined) included."""
     max_chunks_per_request: int = 8192
     max_namespaces: int = 4096
     """Most namespaces registered at once; registering one more is ``TooManyNamespaces``."""
     max_chunk_bytes: int = MAX_CHUNK_BYTES
     """Largest chunk a namespace may have (the server passes its ``max_body_bytes``)."""
+    checksums: bool = True
+    """Keep an xxh3-64 of each first-tier chunk (taken in the background after commit or
+    promotion), checked on demotion, write-through and loads that ask ``verify``."""
     maintenance_interval_s: float = 0.05
 
 

@@ -187,7 +187,8 @@ class StoreSlot:
 
 @dataclass(frozen=True, slots=True)
 class LoadLease:
-    """Views of the leased prefix's bytes in the shared segment, valid until released."""
+    """Read-only views of the leased prefix's bytes in the shared segment, valid until
+    released (writing through one raises ``TypeError``)."""
 
     lease_id: str | None
     buffers: list[memoryview] = field(default_factory=list)
@@ -226,4 +227,7 @@ def store_slots(resp: pb.PrepareStoreResponse, mapping: ArenaMapping) -> list[St
 
 
 def load_lease(resp: pb.PrepareLoadResponse, mapping: ArenaMapping) -> LoadLease:
-    return LoadLease(resp.lease_id, [mapping.view(s.offset, s.length) for s in resp.slots])
+    """The lease's buffers are read-only views: a write through one raises ``TypeError``."""
+    return LoadLease(
+        resp.lease_id, [mapping.view(s.offset, s.length, writable=False) for s in resp.slots]
+    )

@@ -2,9 +2,11 @@
 
 A session is a client's stream; when it ends, everything it holds is given back at once.
 A lease pins a run of chunks for a reader until it is released, its deadline passes or its
-session ends. A reservation (a not-ready entry in the chunk index, owned by a session) is
-given back by its deadline or its session's end; aborting one is the cache's (the store
-side), passed in as ``abort``, as is ``unpin`` (the first tier's).
+session ends. A reservation (a not-ready entry in the chunk index, owned by a session) that
+passes its deadline is quarantined (``ChunkIndex.quarantine``: its writer may still be
+writing into the slot, so the slot is not reused) until its owner commits or aborts it or
+its session ends; aborting (freeing) is the cache's (the store side), passed in as
+``abort``, as is ``unpin`` (the first tier's).
 
 Locking: every method takes the cache's lock (shared, reentrant), exactly where the cache
 took it before this module was split out; ``unpin`` is called with it held, ``abort`` without.
@@ -70,10 +72,12 @@ class Sessions:
             self._sessions.discard(session_id)
             lease_ids = [i for i, lease in self._leases.items() if lease.session_id == session_id]
             owned = [k for k, e in self._index.pending() if e.owner == session_id]
+            quarantined = self._index.quarantined_of(session_id)  # counted when they expired
         for lease_id in lease_ids:
             if self.release(lease_id):
                 self._metrics.expired.labels(what="lease").inc()
         self._metrics.expired.labels(what="reservation").inc(self._abort(owned))
+        self._abort(quarantined)
 
     # -- leases ----------------------------------------------------------------------------
 
@@ -102,28 +106,30 @@ class Sessions:
 
     # -- deadlines -------------------------------------------------------------------------
 
-    def deadline(self, ttl_s: float | None, default: float) -> float:
-        """Monotonic deadline for a lease or reservation (``ttl_s`` None or 0: ``default``)."""
-        return time.monotonic() + self._ttl(ttl_s, default)
+    def deadline(self, ttl_s: float | None, default: float, limit: float) -> float:
+        """Monotonic deadline for a lease or reservation (``ttl_s`` None or 0: ``default``;
+        over ``limit`` seconds: an error)."""
+        return time.monotonic() + self._ttl(ttl_s, default, limit)
 
-    def _ttl(self, ttl_s: float | None, default: float) -> float:
+    @staticmethod
+    def _ttl(ttl_s: float | None, default: float, limit: float) -> float:
         if ttl_s is None or ttl_s == 0:
             return default
-        if not 0 < ttl_s <= self._settings.max_lease_ttl_s:
-            raise InvalidArgument(
-                f"ttl must be in (0, {self._settings.max_lease_ttl_s}] seconds, got {ttl_s}"
-            )
+        if not 0 < ttl_s <= limit:
+            raise InvalidArgument(f"ttl must be in (0, {limit}] seconds, got {ttl_s}")
         return ttl_s
 
     def reap_expired(self, now: float | None = None) -> int:
-        """Release leases and reservations past their deadline; returns how many."""
+        """Release leases past their deadline and quarantine such reservations; returns how
+        many."""
         now = time.monotonic() if now is None else now
         with self._lock:
             lease_ids = [i for i, lease in self._leases.items() if lease.deadline <= now]
-            stale = [k for k, e in self._index.pending() if e.pins == 0 and e.deadline <= now]
+            stale = [(k, e) for k, e in self._index.pending() if e.pins == 0 and e.deadline <= now]
+            for key, entry in stale:
+                self._index.quarantine(key, entry)
         for lease_id in lease_ids:
             self.release(lease_id)
-        num_stale = self._abort(stale)
         self._metrics.expired.labels(what="lease").inc(len(lease_ids))
-        self._metrics.expired.labels(what="reservation").inc(num_stale)
-        return len(lease_ids) + num_stale
+        self._metrics.expired.labels(what="reservation").inc(len(stale))
+        return len(lease_ids) + len(stale)

@@ -1,4 +1,5 @@
-"""The background thread that copies committed chunks to write-through tiers.
+"""The background thread that copies committed chunks to write-through tiers (a second
+instance takes the checksums of committed and promoted chunks).
 
 Only the mechanics live here (a queue, a thread, batching, flush); what a copy does is the
 cache's ``copy_batch`` callback, so the policy stays in one place.
@@ -19,16 +20,23 @@ _MAX_BATCH = 64
 
 
 class WriteThrough:
-    def __init__(self, copy_batch: Callable[[list[ChunkKey]], None], *, enabled: bool) -> None:
+    def __init__(
+        self,
+        copy_batch: Callable[[list[ChunkKey]], None],
+        *,
+        enabled: bool,
+        name: str = "write-through",
+    ) -> None:
         self._copy_batch = copy_batch
         self.enabled = enabled
+        self._name = name
         self._queue: queue.Queue[ChunkKey | None] = queue.Queue()
         self._thread: threading.Thread | None = None
 
     def start(self) -> None:
         if self.enabled and self._thread is None:
             self._thread = threading.Thread(
-                target=self._run, name="lmcache-svc-write-through", daemon=True
+                target=self._run, name=f"lmcache-svc-{self._name}", daemon=True
             )
             self._thread.start()
 
@@ -69,7 +77,7 @@ class WriteThrough:
                 if keys:
                     self._copy_batch(keys)
             except Exception:
-                log.exception("write-through of %d chunks failed", len(keys))
+                log.exception("%s of %d chunks failed", self._name, len(keys))
             finally:
                 for _ in batch:
                     self._queue.task_done()

@@ -384,3 +384,27 @@ def test_a_segment_being_created_survives_a_concurrent_clean_up(
         ]
     finally:
         arena.close()
+
+
+def test_load_views_are_read_only_and_store_views_writable() -> None:
+    arena = Arena.create(1 << 20, slab_bytes=1 << 16, prefault="off")
+    try:
+        slot = arena.allocate(4096)
+        assert slot is not None
+        arena.view(slot)[:] = b"\x07" * 4096
+        mapping = ArenaMapping.open(arena.name, arena.segment_size, arena.nonce, prefault=True)
+        assert mapping is not None and mapping.prefault_done.wait(30)
+        loaded = mapping.view(slot.offset, slot.length, writable=False)
+        assert loaded.readonly and bytes(loaded) == b"\x07" * 4096
+        with pytest.raises(TypeError):
+            loaded[0] = 0  # a reader's stray write
+        with pytest.raises(TypeError):
+            loaded[:] = b"\x00" * 4096
+        assert bytes(arena.view(slot)) == b"\x07" * 4096  # later readers see the committed bytes
+        stored = mapping.view(slot.offset, slot.length)
+        stored[:1] = b"\x01"  # a reserved slot is written through the read-write mapping
+        assert bytes(loaded[:1]) == b"\x01"  # both mappings are the same pages
+        del loaded, stored
+        mapping.close()
+    finally:
+        arena.close()

@@ -151,15 +151,18 @@ def test_prepare_load_leases_only_the_available_prefix(cache_factory) -> None:
 
 
 def test_reservations_expire_and_late_commits_do_nothing(cache_factory) -> None:
-    cache = cache_factory(2)
+    cache = cache_factory(2, settings=CacheSettings(max_reserved_fraction=1.0))
     prepared = cache.prepare_store(NS, [make_hash("a"), make_hash("b")], session_id="s1", ttl_s=1)
     assert [p.status for p in prepared] == ["reserved", "reserved"]
     assert cache.prepare_store(NS, [make_hash("a")])[0].status == "in_progress"
     assert put(cache, "c") == ["no_space"]  # reserved slots are not evictable
     assert cache.reap_expired(now=float("inf")) == 2
-    assert cache.stats().pending_stores == 0 and cache.tiers[0].used_bytes == 0
+    # expired, not pending any more, but quarantined: s1 may still be writing into them
+    assert cache.stats().pending_stores == 0 and cache.tiers[0].used_bytes == 2 * CHUNK
     assert cache.commit_store(NS, [make_hash("a")], session_id="s1") == 0
-    assert where(cache, "a") == [None]
+    assert where(cache, "a") == [None] and cache.tiers[0].used_bytes == CHUNK
+    assert cache.abort_store(NS, [make_hash("b")], session_id="s1") == 1
+    assert cache.tiers[0].used_bytes == 0
 
 
 def test_commit_needs_the_owning_session(cache_factory) -> None:

@@ -42,6 +42,8 @@ def test_file_then_env_then_flags(tmp_path: Path) -> None:
         ({"LMCACHE_SVC_HTTP_PORT": "70000"}, "http_port"),
         ({"LMCACHE_SVC_REDIS__URL": "http://x"}, "redis://"),
         ({"LMCACHE_SVC_CACHE__LOW_WATERMARK": "0.99"}, "low_watermark"),
+        ({"LMCACHE_SVC_CACHE__RESERVATION_TTL_S": "600"}, "max_reservation_ttl_s"),
+        ({"LMCACHE_SVC_CACHE__MAX_RESERVED_FRACTION": "0"}, "max_reserved_fraction"),
         ({"LMCACHE_SVC_HOST": "0.0.0.0"}, "auth_token"),
         ({"LMCACHE_SVC_AUTH_TOKEN": "short"}, "16 characters"),
         (

@@ -19,6 +19,7 @@ import os
 import secrets
 import tempfile
 import time
+import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Literal
@@ -137,7 +138,14 @@ def time_copy(workload: Workload, bufs: Buffers, direction: Direction) -> float:
 
 
 def _slot(buffer: memoryview) -> torch.Tensor:
-    return torch.frombuffer(buffer, dtype=torch.uint8)
+    """A slot as a uint8 tensor sharing its memory; leased (read-only) slots are only ever
+    copied from, so torch's warning about non-writable buffers is silenced for them (as in
+    the plugin's ``KVPages.chunk_tensor``)."""
+    if not buffer.readonly:
+        return torch.frombuffer(buffer, dtype=torch.uint8)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "The given buffer is not writable")
+        return torch.frombuffer(buffer, dtype=torch.uint8)
 
 
 def time_shm_store(

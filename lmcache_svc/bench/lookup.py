@@ -2,8 +2,8 @@
 
 The index is filled with the smallest chunks a namespace can have (16 bytes per token x 256
 tokens = 4 KiB, the smallest slab size class) through ``prepare_store`` + ``commit_store``
-in batches of 8,192 hashes, without a session (so the filling client never maps, let alone
-pre-faults, the segment). The payload bytes are never written: the slots hold the zeros of
+in batches of 8,192 hashes, in one session whose segment the filling client never maps (let
+alone pre-faults). The payload bytes are never written: the slots hold the zeros of
 pages nobody touched, so a 10^6-chunk index costs a sparse 4 GiB segment and no RAM for
 payloads. Lookup only reads the index, which is exactly what a written payload would have
 produced.
@@ -101,33 +101,48 @@ def check_indexed(client: CacheClient, num_chunks: int) -> None:
 # -- filling ---------------------------------------------------------------------------------
 
 
+INDEX_ONLY_ENV = {"LMCACHE_SVC_CACHE__CHECKSUMS": "false"}
+"""Server settings for an index filled without payloads: checksumming 10^6 unwritten slots
+would fault in the sparse segment's pages (and measure nothing a real store does)."""
+
+
 def _batches(start: int, stop: int) -> Iterator[list[bytes]]:
     for lo in range(start, stop, FILL_BATCH):
         yield [synthetic_hash(i) for i in range(lo, min(stop, lo + FILL_BATCH))]
 
 
 class Filler:
-    """Indexes chunks in a server with sessionless PrepareStore + CommitStore calls."""
+    """Indexes chunks in a server with PrepareStore + CommitStore calls in one session (the
+    session is only held open: the filling client never maps the segment)."""
 
     def __init__(self, address: str) -> None:
         self._channel = grpc.insecure_channel(grpc_target(address))
         self._stub = pb_grpc.CacheServiceStub(self._channel)
+        self._session = self._stub.OpenSession(pb.OpenSessionRequest(client_name="bench-fill"))
+        self._session_id = next(self._session).session_id
 
     def fill(self, ns_id: bytes, start: int, stop: int) -> None:
         """Index chunks ``start..stop``: prepare + commit, payload left untouched."""
         for hashes in _batches(start, stop):
             prepared = self._stub.PrepareStore(
-                pb.PrepareStoreRequest(namespace_id=ns_id, chunk_hashes=hashes), timeout=120.0
+                pb.PrepareStoreRequest(
+                    namespace_id=ns_id, chunk_hashes=hashes, session_id=self._session_id
+                ),
+                timeout=120.0,
             )
             if any(s.status != pb.RESERVED for s in prepared.slots):
                 raise RuntimeError(f"server did not reserve {len(hashes)} chunks (arena full?)")
             committed = self._stub.CommitStore(
-                pb.CommitStoreRequest(namespace_id=ns_id, chunk_hashes=hashes), timeout=120.0
+                pb.CommitStoreRequest(
+                    namespace_id=ns_id, chunk_hashes=hashes, session_id=self._session_id
+                ),
+                timeout=120.0,
             )
             if committed.num_committed != len(hashes):
                 raise RuntimeError(f"server committed {committed.num_committed}/{len(hashes)}")
 
     def close(self) -> None:
+        self._session.cancel()
         self._channel.close()
 
 
@@ -301,7 +316,13 @@ def run(ctx: BenchContext) -> Report:
     ns = tiny_namespace()
     capacity = arena_bytes(sizes[-1])
     server = start_server(
-        ctx.work_dir, "--cpu-bytes", str(capacity), "--prefault", "off", timeout_s=60.0
+        ctx.work_dir,
+        "--cpu-bytes",
+        str(capacity),
+        "--prefault",
+        "off",
+        env=INDEX_ONLY_ENV,
+        timeout_s=60.0,
     )
     clients: Clients | None = None
     try:

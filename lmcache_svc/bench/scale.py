@@ -33,6 +33,7 @@ import numpy as np
 
 from lmcache_svc.bench import plots
 from lmcache_svc.bench.lookup import (
+    INDEX_ONLY_ENV,
     Clients,
     Latency,
     arena_bytes,
@@ -89,7 +90,13 @@ def _index_scale(ctx: BenchContext, report: Report, steps: list[int]) -> None:
     capacity = arena_bytes(steps[-1])
     iters = ctx.option("iters", 300 if ctx.quick else 3000)
     server = start_server(
-        ctx.work_dir, "--cpu-bytes", str(capacity), "--prefault", "off", timeout_s=60.0
+        ctx.work_dir,
+        "--cpu-bytes",
+        str(capacity),
+        "--prefault",
+        "off",
+        env=INDEX_ONLY_ENV,
+        timeout_s=60.0,
     )
     clients: Clients | None = None
     rows: list[dict[str, Any]] = []
@@ -157,7 +164,7 @@ def _memory_table(report: Report, rows: list[dict[str, Any]]) -> None:
     table.notes += [
         "private memory: Private_Clean + Private_Dirty of the server process in "
         "/proc/PID/smaps, the shared-memory arena (payloads) excluded",
-        "chunks of 4 KiB (smallest slab class) indexed by sessionless prepare + commit; "
+        "chunks of 4 KiB (smallest slab class) indexed by prepare + commit; "
         "bytes per chunk = memory growth / chunks added; 'since first step' also carries "
         "one-off costs of the first big batches (gRPC buffers, allocator pools), which the "
         "'since previous step' column leaves out; the target uses the first",
@@ -277,6 +284,8 @@ def _load_scale(ctx: BenchContext, report: Report) -> None:
         str(total + 4 * chunk + 64 * 2**20),
         "--prefault",
         "sync",
+        # the only client stores the whole prefix in one call: let it reserve the arena
+        env={"LMCACHE_SVC_CACHE__MAX_RESERVED_FRACTION": "1.0"},
         timeout_s=120.0,
     )
     try:

@@ -86,9 +86,12 @@ def build_cache(config: Config) -> TieredCache:
         lease_ttl_s=k.lease_ttl_s,
         max_lease_ttl_s=k.max_lease_ttl_s,
         reservation_ttl_s=k.reservation_ttl_s,
+        max_reservation_ttl_s=k.max_reservation_ttl_s,
+        max_reserved_fraction=k.max_reserved_fraction,
         max_chunks_per_request=k.max_chunks_per_request,
         max_namespaces=k.max_namespaces,
         max_chunk_bytes=int(config.max_body_bytes),
+        checksums=k.checksums,
     )
     return TieredCache(CpuTier(arena), lower, settings=settings, metrics=Metrics())
 

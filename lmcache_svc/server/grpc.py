@@ -11,8 +11,10 @@ answered from the in-memory indices runs inline. Errors become a status code
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import logging
+import secrets
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -27,6 +29,7 @@ from lmcache_svc.errors import (
     InvalidArgument,
     LMCacheSvcError,
     PayloadTooLarge,
+    ReservationExpired,
     SizeMismatch,
     UnknownSession,
 )
@@ -196,14 +199,25 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
                 f"session {session_id!r} is unknown (did the server restart?); open a new session"
             )
 
+    @staticmethod
+    def _require_session(session_id: str, method: str) -> None:
+        """Shared-memory stores belong to a session: an empty id would let any caller commit
+        or abort every other session-less reservation."""
+        if not session_id:
+            raise InvalidArgument(
+                f"{method} needs the session_id of a session opened with OpenSession "
+                "(its reservations belong to it); without shared memory, use Put"
+            )
+
     @_rpc
     async def PrepareStore(self, request: Any, context: Any) -> pb.PrepareStoreResponse:
+        self._require_session(request.session_id, "PrepareStore")
         self._check_session(request.session_id)
         prepared = await self._slots(
             self._cache.prepare_store,
             request.namespace_id,
             request.chunk_hashes,
-            session_id=request.session_id or None,
+            session_id=request.session_id,
             ttl_s=request.ttl_ms / 1000,
         )
         slots = [
@@ -219,21 +233,25 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
 
     @_rpc
     async def CommitStore(self, request: Any, context: Any) -> pb.CommitStoreResponse:
+        self._require_session(request.session_id, "CommitStore")
         fn = self._cache.abort_store if request.abort else self._cache.commit_store
         num = await self._slots(
-            fn, request.namespace_id, request.chunk_hashes, session_id=request.session_id or None
+            fn, request.namespace_id, request.chunk_hashes, session_id=request.session_id
         )
         return pb.CommitStoreResponse(num_committed=num)
 
     @_rpc
     async def PrepareLoad(self, request: Any, context: Any) -> pb.PrepareLoadResponse:
         self._check_session(request.session_id)
-        lease = await self._slots(
+        # verify hashes every leased chunk: bulk work, never on the event loop
+        run = self._run if request.verify else self._slots
+        lease = await run(
             self._cache.prepare_load,
             request.namespace_id,
             request.chunk_hashes,
             session_id=request.session_id or None,
             ttl_s=request.ttl_ms / 1000,
+            verify=request.verify,
         )
         slots = [
             pb.SlotRef(chunk_hash=h, offset=s.offset, length=s.length)
@@ -249,25 +267,30 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
 
     @_rpc
     async def Put(self, request_iterator: Any, context: Any) -> pb.PutResponse:
-        stored = no_space = 0
+        counts = _PutCounts()
         upload: _Upload | None = None
+        parts = aiter(request_iterator)
         try:
-            async for part in request_iterator:
+            while (part := await _next_part(parts, upload)) is not None:
                 if part.HasField("header"):
                     if upload is not None:
-                        stored, no_space = upload.finish(stored, no_space)
+                        upload.finish(counts)
                     upload = await self._run(self._begin_upload, part.header)
                 elif upload is None:
                     raise InvalidArgument("Put stream sent data before a chunk header")
                 else:
                     upload.write(part.data)
             if upload is not None:
-                stored, no_space = upload.finish(stored, no_space)
+                upload.finish(counts)
                 upload = None
         finally:
             if upload is not None:
                 upload.abort()
-        return pb.PutResponse(num_stored=stored, num_no_space=no_space)
+        return pb.PutResponse(
+            num_stored=counts.stored,
+            num_no_space=counts.no_space,
+            num_in_progress=counts.in_progress,
+        )
 
     def _begin_upload(self, header: pb.ChunkHeader) -> _Upload:
         ns = self._cache.namespace(header.namespace_id)
@@ -289,7 +312,9 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
             self._cache.check_batch(request.namespace_id, len(request.chunk_hashes))
             keys = [check_chunk_hash(h) for h in request.chunk_hashes]
             for h in keys:
-                found = await self._run(self._cache.get, request.namespace_id, h)
+                found = await self._run(
+                    self._cache.get, request.namespace_id, h, verify=request.verify
+                )
                 if found is None:
                     yield pb.ChunkPart(
                         header=pb.ChunkHeader(
@@ -345,37 +370,87 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
         )
 
 
+async def _next_part(parts: AsyncIterator[pb.ChunkPart], upload: _Upload | None) -> Any:
+    """The stream's next part (None at its end); a client that stalls while an upload holds
+    a reservation gets ``ReservationExpired`` when the reservation runs out."""
+    timeout = upload.seconds_left() if upload is not None else None
+    try:
+        return await asyncio.wait_for(anext(parts, None), timeout)
+    except TimeoutError:
+        assert upload is not None
+        raise upload.expired_error("the client sent nothing more before it ran out") from None
+
+
+@dataclasses.dataclass(slots=True)
+class _PutCounts:
+    stored: int = 0
+    no_space: int = 0
+    in_progress: int = 0
+
+
 class _Upload:
-    """One inline chunk being written straight into a reserved slot."""
+    """One inline chunk being written straight into a reserved slot.
+
+    The reservation is the upload's own (owner ``put-<random>``). Before each write it
+    checks the reservation is still its own and extends it (data arriving is progress), up to
+    ``max_reservation_ttl_s`` in all; once it has expired, writes and the commit fail with
+    ``ReservationExpired`` and nothing is stored. An expired reservation's slot is
+    quarantined by the cache, not reused, until this upload commits or aborts it, so a
+    write racing with the expiry can only land in a slot no other chunk has.
+    """
 
     def __init__(self, cache: TieredCache, namespace_id: bytes, chunk_hash: bytes) -> None:
         self._cache, self._ns_id, self._hash = cache, namespace_id, chunk_hash
-        self._owner = f"put-{id(self):x}-{time.monotonic_ns()}"
+        self._owner = f"put-{secrets.token_hex(8)}"
+        self._ttl_s = cache.settings.reservation_ttl_s
+        now = time.monotonic()
+        self._last_deadline = now + cache.settings.max_reservation_ttl_s
         (prepared,) = cache.prepare_store(namespace_id, [chunk_hash], session_id=self._owner)
+        self._deadline = now + self._ttl_s
         self.status = prepared.status
         self._view = cache.view(prepared.slot) if prepared.slot is not None else None
         self._size = cache.namespace(namespace_id).chunk_bytes
         self._written = 0
+
+    def seconds_left(self) -> float | None:
+        """Until the reservation expires (None: the upload holds none)."""
+        if self._view is None:
+            return None
+        return max(0.0, self._deadline - time.monotonic())
+
+    def expired_error(self, why: str) -> ReservationExpired:
+        return ReservationExpired(
+            f"chunk {self._hash.hex()} was not stored: its reservation expired after "
+            f"{self._written} of {self._size} bytes ({why})"
+        )
 
     def write(self, data: bytes) -> None:
         end = self._written + len(data)
         if end > self._size:
             raise SizeMismatch(f"chunk data runs past its header's {self._size} bytes")
         if self._view is not None:
+            deadline = min(time.monotonic() + self._ttl_s, self._last_deadline)
+            if not self._cache.renew_store(self._ns_id, self._hash, self._owner, deadline):
+                raise self.expired_error("the data came too slowly")
+            self._deadline = max(self._deadline, deadline)
             self._view[self._written : end] = data
         self._written = end
 
-    def finish(self, stored: int, no_space: int) -> tuple[int, int]:
+    def finish(self, counts: _PutCounts) -> None:
         if self._written != self._size:
             raise SizeMismatch(
                 f"chunk {self._hash.hex()} got {self._written} of its {self._size} bytes"
             )
         if self._view is not None:
             self._view = None
-            self._cache.commit_store(self._ns_id, [self._hash], session_id=self._owner)
+            if not self._cache.commit_store(self._ns_id, [self._hash], session_id=self._owner):
+                raise self.expired_error("it was complete only after its deadline")
         if self.status == "no_space":
-            return stored, no_space + 1
-        return stored + 1, no_space
+            counts.no_space += 1
+        elif self.status == "in_progress":
+            counts.in_progress += 1
+        else:
+            counts.stored += 1
 
     def abort(self) -> None:
         if self._view is not None:

@@ -163,16 +163,18 @@ class CommitStoreResponse(_message.Message):
     def __init__(self, num_committed: _Optional[int] = ...) -> None: ...
 
 class PrepareLoadRequest(_message.Message):
-    __slots__ = ("namespace_id", "chunk_hashes", "session_id", "ttl_ms")
+    __slots__ = ("namespace_id", "chunk_hashes", "session_id", "ttl_ms", "verify")
     NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
     CHUNK_HASHES_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     TTL_MS_FIELD_NUMBER: _ClassVar[int]
+    VERIFY_FIELD_NUMBER: _ClassVar[int]
     namespace_id: bytes
     chunk_hashes: _containers.RepeatedScalarFieldContainer[bytes]
     session_id: str
     ttl_ms: int
-    def __init__(self, namespace_id: _Optional[bytes] = ..., chunk_hashes: _Optional[_Iterable[bytes]] = ..., session_id: _Optional[str] = ..., ttl_ms: _Optional[int] = ...) -> None: ...
+    verify: bool
+    def __init__(self, namespace_id: _Optional[bytes] = ..., chunk_hashes: _Optional[_Iterable[bytes]] = ..., session_id: _Optional[str] = ..., ttl_ms: _Optional[int] = ..., verify: _Optional[bool] = ...) -> None: ...
 
 class SlotRef(_message.Message):
     __slots__ = ("chunk_hash", "offset", "length")
@@ -229,20 +231,24 @@ class ChunkPart(_message.Message):
     def __init__(self, header: _Optional[_Union[ChunkHeader, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class PutResponse(_message.Message):
-    __slots__ = ("num_stored", "num_no_space")
+    __slots__ = ("num_stored", "num_no_space", "num_in_progress")
     NUM_STORED_FIELD_NUMBER: _ClassVar[int]
     NUM_NO_SPACE_FIELD_NUMBER: _ClassVar[int]
+    NUM_IN_PROGRESS_FIELD_NUMBER: _ClassVar[int]
     num_stored: int
     num_no_space: int
-    def __init__(self, num_stored: _Optional[int] = ..., num_no_space: _Optional[int] = ...) -> None: ...
+    num_in_progress: int
+    def __init__(self, num_stored: _Optional[int] = ..., num_no_space: _Optional[int] = ..., num_in_progress: _Optional[int] = ...) -> None: ...
 
 class GetRequest(_message.Message):
-    __slots__ = ("namespace_id", "chunk_hashes")
+    __slots__ = ("namespace_id", "chunk_hashes", "verify")
     NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
     CHUNK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    VERIFY_FIELD_NUMBER: _ClassVar[int]
     namespace_id: bytes
     chunk_hashes: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, namespace_id: _Optional[bytes] = ..., chunk_hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    verify: bool
+    def __init__(self, namespace_id: _Optional[bytes] = ..., chunk_hashes: _Optional[_Iterable[bytes]] = ..., verify: _Optional[bool] = ...) -> None: ...
 
 class DeleteRequest(_message.Message):
     __slots__ = ("namespace_id", "chunk_hashes")

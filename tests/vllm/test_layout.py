@@ -3,6 +3,12 @@
 # ruff: noqa: E402  (imports after the torch check)
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
 import pytest
 
 pytest.importorskip("torch", reason="the layout code needs torch (the [torch] extra)")
@@ -147,3 +153,43 @@ def test_cuda_round_trip_stages_through_host() -> None:
     dst.copy_chunk_in(dst.chunk_tensor(buffer), 0, [0, 5])
     for s, d in zip(src.layers, dst.layers):
         assert torch.equal(d[0], s[4]) and torch.equal(d[5], s[1])
+
+
+def test_read_only_load_buffer_is_copied_in_without_warning_or_copy(tmp_path: Path) -> None:
+    # Load leases hand out read-only views (PROT_READ mapping). torch warns once per process,
+    # so the check runs in a fresh interpreter with warnings as errors.
+    code = textwrap.dedent(
+        f"""
+        import mmap, numpy as np, torch
+        from tests.vllm.test_layout import make_pages
+        src, _ = make_pages("BHNC")
+        dst, dst_physical = make_pages("BHNC")
+        for t in dst_physical:
+            t.zero_()
+        n = src.geometry.chunk_bytes
+        path = {str(tmp_path / "chunk")!r}
+        with open(path, "w+b") as f:
+            f.truncate(n)
+            rw = mmap.mmap(f.fileno(), n)
+            src.copy_chunk_out([4, 1], src.chunk_tensor(memoryview(rw)))
+            ro = memoryview(mmap.mmap(f.fileno(), n, prot=mmap.PROT_READ))
+        assert ro.readonly
+        tensor = dst.chunk_tensor(ro)
+        assert tensor.data_ptr() == np.frombuffer(ro, dtype=np.uint8).ctypes.data  # no copy
+        dst.copy_chunk_in(tensor, 0, [0, 5])
+        for s, d in zip(src.layers, dst.layers):
+            assert torch.equal(d[0], s[4]) and torch.equal(d[5], s[1])
+        print("ok")
+        """
+    )
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root / "connectors/vllm"), str(root)])}
+    out = subprocess.run(
+        [sys.executable, "-W", "error", "-c", code],
+        capture_output=True,
+        text=True,
+        cwd=root,
+        env=env,
+        timeout=120,
+    )
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr

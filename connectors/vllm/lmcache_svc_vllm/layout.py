@@ -21,6 +21,7 @@ Copies go run by run of consecutive block ids: one contiguous copy per run and l
 from __future__ import annotations
 
 import re
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -134,11 +135,20 @@ class KVPages:
         return cls(views, blocks_per_chunk)
 
     def chunk_tensor(self, buffer: memoryview) -> torch.Tensor:
-        """A chunk buffer (shared segment or bytes) as ``[layers, blocks, page]`` uint8."""
+        """A chunk buffer (shared segment or bytes) as ``[layers, blocks, page]`` uint8, sharing
+        its memory. Load buffers are read-only views: torch has no read-only tensors and
+        warns, so the warning is silenced for them; the tensor is only read (copied in)."""
         g = self.geometry
         if len(buffer) != g.chunk_bytes:
             raise ValueError(f"chunk buffer of {len(buffer)} bytes, expected {g.chunk_bytes}")
-        flat = torch.frombuffer(buffer, dtype=torch.uint8) if len(buffer) else torch.empty(0)
+        if not len(buffer):
+            flat = torch.empty(0, dtype=torch.uint8)
+        elif buffer.readonly:  # a leased chunk: only ever a copy source, never written
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", "The given buffer is not writable")
+                flat = torch.frombuffer(buffer, dtype=torch.uint8)
+        else:
+            flat = torch.frombuffer(buffer, dtype=torch.uint8)
         return flat.view(g.num_layers, g.blocks_per_chunk, g.page_bytes)
 
     def copy_chunk_out(self, block_ids: Sequence[int], dst: torch.Tensor) -> None:
