@@ -21,6 +21,8 @@ _SERVE_FLAGS: dict[str, tuple[str, str]] = {
     "--prefault": ("cpu.prefault", "off | background | sync"),
     "--ssd-path": ("ssd.path", "directory of the SSD tier (enables it)"),
     "--ssd-bytes": ("ssd.capacity", "capacity of the SSD tier, e.g. 100GiB"),
+    "--memory-path": ("memory.path", "directory where named memories persist"),
+    "--memory-bytes": ("memory.capacity", "capacity for named memories, e.g. 4GiB"),
     "--redis-url": ("redis.url", "Redis URL (enables the Redis tier)"),
     "--redis-bytes": ("redis.capacity", "capacity of the Redis tier"),
     "--log-level": ("log_level", "debug | info | warning | error"),

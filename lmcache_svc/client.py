@@ -25,6 +25,7 @@ from lmcache_svc import errors
 from lmcache_svc.aio_client import AsyncCacheClient
 from lmcache_svc.arena import ArenaMapping
 from lmcache_svc.keys import Namespace, NamespaceId
+from lmcache_svc.memories.format import MemoryInfo
 from lmcache_svc.rpc import (
     GetAssembler,
     LoadLease,
@@ -36,21 +37,25 @@ from lmcache_svc.rpc import (
     convert_rpc_error,
     default_address,
     grpc_target,
+    join_memory_parts,
     load_lease,
     map_segment,
+    memory_parts,
+    memory_timeout,
     put_parts,
     stats_dict,
     store_slots,
 )
 from lmcache_svc.v1 import cache_pb2 as pb
 from lmcache_svc.v1 import cache_pb2_grpc as pb_grpc
-from lmcache_svc.wire import namespace_to_pb
+from lmcache_svc.wire import memory_info_from_pb, namespace_to_pb
 
 __all__ = [
     "AsyncCacheClient",
     "CacheClient",
     "LoadLease",
     "LookupResult",
+    "MemoryInfo",
     "StoreSlot",
     "default_address",
 ]
@@ -98,6 +103,7 @@ class CacheClient:
         self._metadata = auth_metadata(auth_token)
         self._channel = grpc.insecure_channel(self._target, options=client_channel_options())
         self._stub = pb_grpc.CacheServiceStub(self._channel)
+        self._memories = pb_grpc.MemoryServiceStub(self._channel)
         self._namespaces: dict[bytes, Namespace] = {}
         self._session: _Session | None = None
         self._lock = threading.Lock()
@@ -328,6 +334,52 @@ class CacheClient:
 
     def stats(self) -> dict[str, Any]:
         return stats_dict(self._call("Stats", pb.StatsRequest()))
+
+    # -- named memories (docs/memories.md) -------------------------------------------------
+
+    def put_memory(self, blob: bytes | bytearray | memoryview) -> MemoryInfo:
+        """Store a memory blob (safetensors with its metadata); storing the same bytes again
+        is a no-op. Raises ``BadMemory``, ``Conflict`` (the id holds other bytes),
+        ``PayloadTooLarge`` or ``NoSpace``."""
+        size = memoryview(blob).nbytes
+        try:
+            resp = self._memories.PutMemory(
+                memory_parts(blob),
+                timeout=memory_timeout(self.timeout_s, size),
+                metadata=self._metadata,
+            )
+        except grpc.RpcError as e:
+            raise convert_rpc_error(e) from None
+        return memory_info_from_pb(resp.memory)
+
+    def get_memory(self, memory_id: str) -> bytes | None:
+        """The memory's blob, or None when this tenant has no such memory."""
+        request = pb.GetMemoryRequest(memory_id=memory_id)
+        try:
+            parts = self._memories.GetMemory(
+                request, timeout=memory_timeout(self.timeout_s, 1 << 30), metadata=self._metadata
+            )
+            return join_memory_parts(parts)
+        except grpc.RpcError as e:
+            raise convert_rpc_error(e) from None
+
+    def list_memories(self) -> list[MemoryInfo]:
+        """This tenant's memories, ordered by id."""
+        resp = self._memory_call("ListMemories", pb.ListMemoriesRequest())
+        return [memory_info_from_pb(m) for m in resp.memories]
+
+    def delete_memory(self, memory_id: str) -> bool:
+        """Delete a memory; False when there was none."""
+        resp = self._memory_call("DeleteMemory", pb.DeleteMemoryRequest(memory_id=memory_id))
+        return bool(resp.deleted)
+
+    def _memory_call(self, method: str, request: Any) -> Any:
+        try:
+            return getattr(self._memories, method)(
+                request, timeout=self.timeout_s, metadata=self._metadata
+            )
+        except grpc.RpcError as e:
+            raise convert_rpc_error(e) from None
 
     def wait_ready(self, timeout_s: float = 10.0) -> None:
         """Block until the server answers (raises ServerUnavailable after ``timeout_s``)."""

@@ -134,6 +134,22 @@ class CacheConfig(_Section):
         return self
 
 
+class MemoryConfig(_Section):
+    capacity: ByteSize = Field(ByteSize(1 << 30), gt=0)
+    """Bytes of named memories (whole blobs, all tenants) the server keeps; a put that does
+    not fit is refused (507), memories are never evicted."""
+    max_bytes: ByteSize = Field(ByteSize(256 << 20), gt=0)
+    """Largest single memory. Over REST a body is also bounded by max_body_bytes."""
+    path: Path | None = None
+    """Directory where memories persist across restarts. Default: <ssd.path>/memories when
+    an SSD tier is configured, else none (memories are kept in RAM and lost on restart)."""
+
+    def resolved_path(self, ssd_path: Path | None) -> Path | None:
+        if self.path is not None:
+            return self.path
+        return ssd_path / "memories" if ssd_path is not None else None
+
+
 class Config(_Section):
     host: str = "127.0.0.1"
     """Address of the TCP listeners (gRPC and HTTP). Not loopback requires auth_token."""
@@ -162,6 +178,7 @@ class Config(_Section):
     ssd: SsdConfig = Field(default_factory=SsdConfig)
     redis: RedisConfig = Field(default_factory=RedisConfig)
     cache: CacheConfig = Field(default_factory=CacheConfig)
+    memory: MemoryConfig = Field(default_factory=MemoryConfig)
 
     @field_validator("socket_mode", mode="before")
     @classmethod

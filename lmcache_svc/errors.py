@@ -38,6 +38,19 @@ class PayloadTooLarge(InvalidArgument):
     kind = "payload_too_large"
 
 
+class BadMemory(InvalidArgument):
+    """A memory body that is not a memory blob: not safetensors, or bad header metadata."""
+
+    kind = "bad_memory"
+
+
+class Conflict(LMCacheSvcError):
+    """A named object already exists with other contents (a memory id stored with other
+    bytes)."""
+
+    kind = "conflict"
+
+
 class NotFound(LMCacheSvcError):
     """A named object (chunk, lease, reservation) that does not exist (any more)."""
 

@@ -9,12 +9,16 @@ Names, labels and meanings are documented in ``docs/metrics.md``.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from lmcache_svc.tiers.base import TierStats
+
+if TYPE_CHECKING:
+    from lmcache_svc.memories.store import MemoryUsage
 
 _LATENCY_BUCKETS = (
     0.0001,
@@ -54,6 +58,25 @@ class _TierStateCollector(Collector):
             used.add_metric([s.name], s.used_bytes)
             chunks.add_metric([s.name], s.num_chunks)
         yield from (capacity, used, chunks)
+
+
+class _MemoryCollector(Collector):
+    def __init__(self, read_usage: Callable[[], MemoryUsage]) -> None:
+        self._read_usage = read_usage
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        usage = self._read_usage()
+        yield GaugeMetricFamily(
+            "lmcache_svc_memories", "Named memories stored (all tenants)", usage.num_memories
+        )
+        yield GaugeMetricFamily(
+            "lmcache_svc_memory_used_bytes", "Bytes of named memories stored", usage.used_bytes
+        )
+        yield GaugeMetricFamily(
+            "lmcache_svc_memory_capacity_bytes",
+            "Configured capacity for named memories (memory.capacity)",
+            usage.capacity_bytes,
+        )
 
 
 class Metrics:
@@ -138,6 +161,10 @@ class Metrics:
     def watch_tiers(self, read_tiers: Callable[[], Iterable[TierStats]]) -> None:
         """Export capacity, used bytes and chunks of the tiers, read at each scrape."""
         self.registry.register(_TierStateCollector(read_tiers))
+
+    def watch_memories(self, read_usage: Callable[[], MemoryUsage]) -> None:
+        """Export the named memories' count, bytes and capacity, read at each scrape."""
+        self.registry.register(_MemoryCollector(read_usage))
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

@@ -3,7 +3,7 @@ channel options, error conversion and the shaping of inline transfers."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -103,6 +103,38 @@ class GetAssembler:
     def result(self) -> list[bytes | None]:
         self._close()
         return self.chunks
+
+
+def memory_parts(blob: bytes | bytearray | memoryview) -> Iterator[pb.MemoryPart]:
+    """A PutMemory stream: the header with the blob's length, then its pieces."""
+    view = memoryview(blob).cast("B")
+    yield pb.MemoryPart(header=pb.MemoryHeader(length=len(view)))
+    for i in range(0, len(view), PIECE_BYTES):
+        yield pb.MemoryPart(data=bytes(view[i : i + PIECE_BYTES]))
+
+
+def join_memory_parts(parts: Iterable[pb.MemoryPart]) -> bytes | None:
+    """The blob of a GetMemory stream, or None for a miss."""
+    pieces: list[bytes] = []
+    length: int | None = None
+    for part in parts:
+        if part.HasField("header"):
+            if not part.header.found:
+                return None
+            length = int(part.header.length)
+        else:
+            pieces.append(part.data)
+    blob = b"".join(pieces)
+    if length is None or len(blob) != length:
+        raise errors.ServerUnavailable(
+            f"GetMemory stream ended after {len(blob)} of {length} bytes; try again"
+        )
+    return blob
+
+
+def memory_timeout(timeout_s: float, num_bytes: int) -> float:
+    """A bulk transfer's deadline: ``timeout_s`` per started 64 MiB."""
+    return timeout_s * (1 + num_bytes // (64 << 20))
 
 
 def stats_dict(resp: pb.StatsResponse) -> dict[str, Any]:

@@ -7,10 +7,12 @@ raised (``error_from_kind``).
 
 from __future__ import annotations
 
+import json
 from dataclasses import asdict
 
 from lmcache_svc import errors
 from lmcache_svc.keys import KVLayout, Namespace
+from lmcache_svc.memories.format import MemoryInfo
 from lmcache_svc.v1 import cache_pb2 as pb
 
 ERROR_KIND_KEY = "lmcache-error-kind"
@@ -24,6 +26,8 @@ _ERRORS_BY_KIND: dict[str, type[errors.LMCacheSvcError]] = {
         errors.InvalidArgument,
         errors.UnknownNamespace,
         errors.SizeMismatch,
+        errors.BadMemory,
+        errors.Conflict,
         errors.PayloadTooLarge,
         errors.NotFound,
         errors.UnknownSession,
@@ -81,3 +85,17 @@ def channel_options() -> list[tuple[str, int]]:
         ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
         ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
     ]
+
+
+def memory_info_to_pb(info: MemoryInfo) -> pb.MemoryInfo:
+    return pb.MemoryInfo(
+        memory_id=info.memory_id,
+        size_bytes=info.size_bytes,
+        model=info.model,
+        metadata_json=json.dumps(info.metadata),
+    )
+
+
+def memory_info_from_pb(msg: pb.MemoryInfo) -> MemoryInfo:
+    metadata = json.loads(msg.metadata_json) if msg.metadata_json else {}
+    return MemoryInfo(msg.memory_id, int(msg.size_bytes), msg.model, metadata)

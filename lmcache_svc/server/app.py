@@ -21,9 +21,11 @@ from lmcache_svc.arena import Arena, remove_orphan_segments
 from lmcache_svc.cache import TieredCache
 from lmcache_svc.config import Config
 from lmcache_svc.errors import ConfigError
+from lmcache_svc.memories.store import MemoryStore
 from lmcache_svc.metrics import Metrics
 from lmcache_svc.policy import CacheSettings, TierPolicy
 from lmcache_svc.server.grpc import build_grpc_server, set_serving
+from lmcache_svc.server.grpc_memories import add_memory_service
 from lmcache_svc.server.http import create_app
 from lmcache_svc.tiers.base import Tier
 from lmcache_svc.tiers.cpu import CpuTier
@@ -80,6 +82,16 @@ def build_cache(config: Config) -> TieredCache:
     return TieredCache(CpuTier(arena), lower, settings=settings, metrics=Metrics())
 
 
+def build_memory_store(config: Config) -> MemoryStore:
+    """The named memories: on disk under the resolved memory path, else in RAM."""
+    m = config.memory
+    return MemoryStore(
+        capacity_bytes=int(m.capacity),
+        max_bytes=int(m.max_bytes),
+        path=m.resolved_path(config.ssd.path),
+    )
+
+
 class _Uvicorn(uvicorn.Server):
     """uvicorn without its own signal handling: the service owns SIGTERM/SIGINT."""
 
@@ -134,14 +146,17 @@ class Service:
             _prepare_socket_path(cfg.socket, cfg.socket_mode)
         for name in remove_orphan_segments():
             log.warning("removed shared-memory segment %s: its server was killed", name)
+        memories = build_memory_store(cfg)
         cache = build_cache(cfg)
         cache.start()
+        cache.metrics.watch_memories(memories.usage)
         grpc_server, servicer, health = build_grpc_server(
             cache,
             max_body_bytes=int(cfg.max_body_bytes),
             workers=cfg.grpc_workers,
             auth_token=cfg.auth_token,
         )
+        add_memory_service(grpc_server, memories, cache.metrics)
         addresses: dict[str, Any] = {"shm": cache.segment().name, "pid": os.getpid()}
         http: _Uvicorn | None = None
         http_task: asyncio.Task[None] | None = None
@@ -162,7 +177,10 @@ class Service:
                 sock = _bind_tcp(cfg.host, cfg.http_port)
                 addresses["http"] = f"http://{_host_port(cfg.host, sock.getsockname()[1])}"
                 app = create_app(
-                    cache, auth_token=cfg.auth_token, max_body_bytes=int(cfg.max_body_bytes)
+                    cache,
+                    auth_token=cfg.auth_token,
+                    max_body_bytes=int(cfg.max_body_bytes),
+                    memories=memories,
                 )
                 http = _Uvicorn(
                     uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off")

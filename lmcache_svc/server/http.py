@@ -40,6 +40,7 @@ from lmcache_svc.keys import (
     parse_chunk_hash,
     parse_namespace_id,
 )
+from lmcache_svc.memories.store import MemoryStore
 from lmcache_svc.server.http_edge import (
     OPEN_PATHS,
     Edge,
@@ -49,6 +50,7 @@ from lmcache_svc.server.http_edge import (
     on_service_error,
     on_validation_error,
 )
+from lmcache_svc.server.http_memories import add_memory_routes
 from lmcache_svc.server.http_models import (
     ErrorResponse,
     KeysRequest,
@@ -374,8 +376,10 @@ def create_app(
     auth_token: str | None = None,
     max_body_bytes: int,
     ready: Callable[[], bool] = lambda: True,
+    memories: MemoryStore | None = None,
 ) -> FastAPI:
-    """The REST app over ``cache``; ``auth_token`` None turns authentication off."""
+    """The REST app over ``cache`` (and ``memories``, when given: ``/v1/memories``);
+    ``auth_token`` None turns authentication off."""
     if auth_token == "":
         raise ConfigError("auth token must be non-empty (or None to turn authentication off)")
     if (
@@ -402,6 +406,8 @@ def create_app(
             **spec.options,
             dependencies=[] if spec.path in OPEN_PATHS else bearer,
         )
+    if memories is not None:
+        add_memory_routes(app, memories, dependencies=bearer)
     app.add_exception_handler(LMCacheSvcError, on_service_error)
     app.add_exception_handler(RequestValidationError, on_validation_error)
     app.add_exception_handler(HTTPException, on_http_error)

@@ -15,6 +15,7 @@ Choices worth knowing:
   retrying it unchanged will not help (so not ``RESOURCE_EXHAUSTED``).
 - ``NoSpace`` is ``RESOURCE_EXHAUSTED`` / 507: retry later, when leases are released.
 - ``TierError`` (and ``Corrupted``) is ``UNAVAILABLE`` / 503.
+- ``Conflict`` is ``ALREADY_EXISTS`` / 409: a memory id already stored with other bytes.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from __future__ import annotations
 import grpc
 
 from lmcache_svc.errors import (
+    Conflict,
     InvalidArgument,
     LMCacheSvcError,
     NoSpace,
@@ -41,6 +43,7 @@ _TABLE: tuple[tuple[type[LMCacheSvcError], grpc.StatusCode, int], ...] = (
     (PayloadTooLarge, grpc.StatusCode.INVALID_ARGUMENT, 413),
     (InvalidArgument, grpc.StatusCode.INVALID_ARGUMENT, 400),
     (NotFound, grpc.StatusCode.NOT_FOUND, 404),
+    (Conflict, grpc.StatusCode.ALREADY_EXISTS, 409),
     (NoSpace, grpc.StatusCode.RESOURCE_EXHAUSTED, 507),
     (Unauthenticated, grpc.StatusCode.UNAUTHENTICATED, 401),
     (TierError, grpc.StatusCode.UNAVAILABLE, 503),

@@ -287,3 +287,67 @@ class StatsResponse(_message.Message):
     num_namespaces: int
     version: str
     def __init__(self, tiers: _Optional[_Iterable[_Union[TierState, _Mapping]]] = ..., active_leases: _Optional[int] = ..., pending_stores: _Optional[int] = ..., num_namespaces: _Optional[int] = ..., version: _Optional[str] = ...) -> None: ...
+
+class MemoryInfo(_message.Message):
+    __slots__ = ("memory_id", "size_bytes", "model", "metadata_json")
+    MEMORY_ID_FIELD_NUMBER: _ClassVar[int]
+    SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    METADATA_JSON_FIELD_NUMBER: _ClassVar[int]
+    memory_id: str
+    size_bytes: int
+    model: str
+    metadata_json: str
+    def __init__(self, memory_id: _Optional[str] = ..., size_bytes: _Optional[int] = ..., model: _Optional[str] = ..., metadata_json: _Optional[str] = ...) -> None: ...
+
+class MemoryHeader(_message.Message):
+    __slots__ = ("length", "found")
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    FOUND_FIELD_NUMBER: _ClassVar[int]
+    length: int
+    found: bool
+    def __init__(self, length: _Optional[int] = ..., found: _Optional[bool] = ...) -> None: ...
+
+class MemoryPart(_message.Message):
+    __slots__ = ("header", "data")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    header: MemoryHeader
+    data: bytes
+    def __init__(self, header: _Optional[_Union[MemoryHeader, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class PutMemoryResponse(_message.Message):
+    __slots__ = ("memory", "created")
+    MEMORY_FIELD_NUMBER: _ClassVar[int]
+    CREATED_FIELD_NUMBER: _ClassVar[int]
+    memory: MemoryInfo
+    created: bool
+    def __init__(self, memory: _Optional[_Union[MemoryInfo, _Mapping]] = ..., created: _Optional[bool] = ...) -> None: ...
+
+class GetMemoryRequest(_message.Message):
+    __slots__ = ("memory_id",)
+    MEMORY_ID_FIELD_NUMBER: _ClassVar[int]
+    memory_id: str
+    def __init__(self, memory_id: _Optional[str] = ...) -> None: ...
+
+class ListMemoriesRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListMemoriesResponse(_message.Message):
+    __slots__ = ("memories",)
+    MEMORIES_FIELD_NUMBER: _ClassVar[int]
+    memories: _containers.RepeatedCompositeFieldContainer[MemoryInfo]
+    def __init__(self, memories: _Optional[_Iterable[_Union[MemoryInfo, _Mapping]]] = ...) -> None: ...
+
+class DeleteMemoryRequest(_message.Message):
+    __slots__ = ("memory_id",)
+    MEMORY_ID_FIELD_NUMBER: _ClassVar[int]
+    memory_id: str
+    def __init__(self, memory_id: _Optional[str] = ...) -> None: ...
+
+class DeleteMemoryResponse(_message.Message):
+    __slots__ = ("deleted",)
+    DELETED_FIELD_NUMBER: _ClassVar[int]
+    deleted: bool
+    def __init__(self, deleted: _Optional[bool] = ...) -> None: ...

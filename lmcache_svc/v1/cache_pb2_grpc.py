@@ -535,3 +535,213 @@ class CacheService:
             timeout,
             metadata,
             _registered_method=True)
+
+
+class MemoryServiceStub:
+    """Named KV memories: one safetensors blob each, named by the UUID in its header's metadata
+    (docs/memories.md). A separate service on the same server, tenant-scoped like chunks.
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.PutMemory = channel.stream_unary(
+                '/lmcache_svc.v1.MemoryService/PutMemory',
+                request_serializer=lmcache__svc_dot_v1_dot_cache__pb2.MemoryPart.SerializeToString,
+                response_deserializer=lmcache__svc_dot_v1_dot_cache__pb2.PutMemoryResponse.FromString,
+                _registered_method=True)
+        self.GetMemory = channel.unary_stream(
+                '/lmcache_svc.v1.MemoryService/GetMemory',
+                request_serializer=lmcache__svc_dot_v1_dot_cache__pb2.GetMemoryRequest.SerializeToString,
+                response_deserializer=lmcache__svc_dot_v1_dot_cache__pb2.MemoryPart.FromString,
+                _registered_method=True)
+        self.ListMemories = channel.unary_unary(
+                '/lmcache_svc.v1.MemoryService/ListMemories',
+                request_serializer=lmcache__svc_dot_v1_dot_cache__pb2.ListMemoriesRequest.SerializeToString,
+                response_deserializer=lmcache__svc_dot_v1_dot_cache__pb2.ListMemoriesResponse.FromString,
+                _registered_method=True)
+        self.DeleteMemory = channel.unary_unary(
+                '/lmcache_svc.v1.MemoryService/DeleteMemory',
+                request_serializer=lmcache__svc_dot_v1_dot_cache__pb2.DeleteMemoryRequest.SerializeToString,
+                response_deserializer=lmcache__svc_dot_v1_dot_cache__pb2.DeleteMemoryResponse.FromString,
+                _registered_method=True)
+
+
+class MemoryServiceServicer:
+    """Named KV memories: one safetensors blob each, named by the UUID in its header's metadata
+    (docs/memories.md). A separate service on the same server, tenant-scoped like chunks.
+    """
+
+    def PutMemory(self, request_iterator, context):
+        """Store a memory: a header with the blob's length, then data pieces. Storing the same bytes
+        again is a no-op (created = false); other bytes under a stored id are ALREADY_EXISTS.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetMemory(self, request, context):
+        """A header (found = false for a miss, and no data follows), then data pieces.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListMemories(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DeleteMemory(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_MemoryServiceServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'PutMemory': grpc.stream_unary_rpc_method_handler(
+                    servicer.PutMemory,
+                    request_deserializer=lmcache__svc_dot_v1_dot_cache__pb2.MemoryPart.FromString,
+                    response_serializer=lmcache__svc_dot_v1_dot_cache__pb2.PutMemoryResponse.SerializeToString,
+            ),
+            'GetMemory': grpc.unary_stream_rpc_method_handler(
+                    servicer.GetMemory,
+                    request_deserializer=lmcache__svc_dot_v1_dot_cache__pb2.GetMemoryRequest.FromString,
+                    response_serializer=lmcache__svc_dot_v1_dot_cache__pb2.MemoryPart.SerializeToString,
+            ),
+            'ListMemories': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListMemories,
+                    request_deserializer=lmcache__svc_dot_v1_dot_cache__pb2.ListMemoriesRequest.FromString,
+                    response_serializer=lmcache__svc_dot_v1_dot_cache__pb2.ListMemoriesResponse.SerializeToString,
+            ),
+            'DeleteMemory': grpc.unary_unary_rpc_method_handler(
+                    servicer.DeleteMemory,
+                    request_deserializer=lmcache__svc_dot_v1_dot_cache__pb2.DeleteMemoryRequest.FromString,
+                    response_serializer=lmcache__svc_dot_v1_dot_cache__pb2.DeleteMemoryResponse.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'lmcache_svc.v1.MemoryService', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('lmcache_svc.v1.MemoryService', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class MemoryService:
+    """Named KV memories: one safetensors blob each, named by the UUID in its header's metadata
+    (docs/memories.md). A separate service on the same server, tenant-scoped like chunks.
+    """
+
+    @staticmethod
+    def PutMemory(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/lmcache_svc.v1.MemoryService/PutMemory',
+            lmcache__svc_dot_v1_dot_cache__pb2.MemoryPart.SerializeToString,
+            lmcache__svc_dot_v1_dot_cache__pb2.PutMemoryResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetMemory(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/lmcache_svc.v1.MemoryService/GetMemory',
+            lmcache__svc_dot_v1_dot_cache__pb2.GetMemoryRequest.SerializeToString,
+            lmcache__svc_dot_v1_dot_cache__pb2.MemoryPart.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListMemories(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/lmcache_svc.v1.MemoryService/ListMemories',
+            lmcache__svc_dot_v1_dot_cache__pb2.ListMemoriesRequest.SerializeToString,
+            lmcache__svc_dot_v1_dot_cache__pb2.ListMemoriesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DeleteMemory(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/lmcache_svc.v1.MemoryService/DeleteMemory',
+            lmcache__svc_dot_v1_dot_cache__pb2.DeleteMemoryRequest.SerializeToString,
+            lmcache__svc_dot_v1_dot_cache__pb2.DeleteMemoryResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
