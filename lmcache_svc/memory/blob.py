@@ -4,14 +4,13 @@ Tensors: ``layers.{i}.keys`` and ``layers.{i}.values`` ([batch, kv_heads, seq, h
 cache's dtype) for every layer i, and ``token_ids`` (int64 [seq]) when the tokens are known.
 Header ``__metadata__`` (str -> str): ``lmcache_svc.memory_format`` = "1", ``memory_id`` (the
 UUID), ``model`` (the model identity), ``metadata`` (the item's metadata as a JSON string).
-Parsing never runs code: safetensors is a JSON header plus raw tensor bytes.
+Parsing never runs code: safetensors is a JSON header plus raw tensor bytes; the header is
+checked by the service's own parser (``lmcache_svc.memories.format``).
 """
 
 from __future__ import annotations
 
 import json
-import struct
-from typing import Any
 
 import torch
 from safetensors import SafetensorError
@@ -19,11 +18,9 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 from lmcache_svc.errors import InvalidArgument
+from lmcache_svc.memories.format import FORMAT_KEY, FORMAT_VERSION, parse_memory
 from lmcache_svc.memory.cache_layers import build_cache, cache_layers, shape_of
-from lmcache_svc.memory.item import KVCacheItem, canonical_memory_id
-
-FORMAT_KEY = "lmcache_svc.memory_format"
-FORMAT_VERSION = "1"
+from lmcache_svc.memory.item import KVCacheItem
 
 
 def item_to_blob(item: KVCacheItem) -> bytes:
@@ -42,45 +39,22 @@ def item_to_blob(item: KVCacheItem) -> bytes:
     return bytes(st_save(tensors, metadata=header))
 
 
-def blob_header(blob: bytes) -> dict[str, str]:
-    """The ``__metadata__`` of a memory blob, checked; ``InvalidArgument`` if it is not one."""
-    if len(blob) < 8:
-        raise InvalidArgument("not a safetensors memory blob: shorter than its 8-byte header")
-    (length,) = struct.unpack("<Q", blob[:8])
-    if length > len(blob) - 8:
-        raise InvalidArgument("not a safetensors memory blob: header length past the end")
-    try:
-        header = json.loads(blob[8 : 8 + length])
-    except (UnicodeDecodeError, json.JSONDecodeError):
-        raise InvalidArgument("not a safetensors memory blob: header is not JSON") from None
-    meta = header.get("__metadata__") if isinstance(header, dict) else None
-    if not isinstance(meta, dict) or meta.get(FORMAT_KEY) != FORMAT_VERSION:
-        raise InvalidArgument(f"not a memory blob: {FORMAT_KEY} is not {FORMAT_VERSION!r}")
-    for key in ("memory_id", "model", "metadata"):
-        if not isinstance(meta.get(key), str):
-            raise InvalidArgument(f"memory blob header lacks {key!r}")
-    return meta
-
-
 def item_from_blob(blob: bytes) -> KVCacheItem:
-    meta = blob_header(blob)
+    """A new item from a blob; ``InvalidArgument`` (``BadMemory``) if it is not a memory."""
+    info = parse_memory(blob)
     try:
-        memory_id = canonical_memory_id(meta["memory_id"])
-        metadata = json.loads(meta["metadata"])
         tensors = st_load(bytes(blob))
-    except (ValueError, SafetensorError) as exc:
+    except SafetensorError as exc:
         raise InvalidArgument(f"bad memory blob: {exc}") from None
-    if not isinstance(metadata, dict):
-        raise InvalidArgument("bad memory blob: metadata is not a JSON object")
     layers = _layers(tensors)
     shape_of(layers)
     token_ids = tensors.get("token_ids")
     return KVCacheItem(
         kv_cache=build_cache(layers),
-        kv_cache_id=memory_id,
-        metadata=metadata,
+        kv_cache_id=info.memory_id,
+        metadata=info.metadata,
         token_ids=None if token_ids is None else [int(t) for t in token_ids.tolist()],
-        model=meta["model"] or None,
+        model=info.model or None,
     )
 
 
@@ -96,8 +70,3 @@ def _layers(tensors: dict[str, torch.Tensor]) -> list[tuple[torch.Tensor, torch.
     if not layers:
         raise InvalidArgument("bad memory blob: no layers.0.keys tensor")
     return layers
-
-
-def describe_blob(blob: bytes) -> dict[str, Any]:
-    meta = blob_header(blob)
-    return {"memory_id": meta["memory_id"], "model": meta["model"], "size_bytes": len(blob)}

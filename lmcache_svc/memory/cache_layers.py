@@ -60,13 +60,15 @@ def cache_layers(cache: object) -> list[LayerKV]:
 
 
 def shape_of(layers: Sequence[LayerKV]) -> CacheShape:
-    keys = layers[0][0]
-    shape = CacheShape(len(layers), keys.shape[0], keys.shape[1], keys.shape[3], keys.dtype)
-    for index, (k, v) in enumerate(layers):
-        if (k.shape[0], k.shape[1], k.shape[3], k.dtype, v.dtype) != (
-            shape.batch, shape.num_kv_heads, shape.head_dim, shape.dtype, shape.dtype
-        ) or k.shape[2] != layers[0][0].shape[2]:
-            raise InvalidArgument(f"cache layer {index} disagrees with layer 0 in shape or dtype")
+    """The cache's shape; ``InvalidArgument`` if its layers disagree with each other."""
+    first = layers[0][0]
+    shape = CacheShape(len(layers), first.shape[0], first.shape[1], first.shape[3], first.dtype)
+    for index, (keys, values) in enumerate(layers):
+        if keys.shape != first.shape or keys.dtype != first.dtype or values.dtype != first.dtype:
+            raise InvalidArgument(
+                f"cache layer {index} ({tuple(keys.shape)}, {keys.dtype}) disagrees with "
+                f"layer 0 ({tuple(first.shape)}, {first.dtype})"
+            )
     return shape
 
 

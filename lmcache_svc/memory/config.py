@@ -63,11 +63,15 @@ class LLMConfig:
             raise ConfigError(f"extractor_llm must be a dict, got {type(value).__name__}")
         backend = value.get("backend")
         if backend not in HF_BACKENDS:
-            raise ConfigError(f"extractor_llm.backend must be one of {HF_BACKENDS}, got {backend!r}")
+            raise ConfigError(
+                f"extractor_llm.backend must be one of {HF_BACKENDS}, got {backend!r}"
+            )
         unknown = set(value) - {"backend", "config"}
         if unknown:
             raise ConfigError(f"extractor_llm: unknown keys {sorted(unknown)}")
-        return cls(backend, _build(HFModelConfig, value.get("config") or {}, "extractor_llm.config"))
+        return cls(
+            backend, _build(HFModelConfig, value.get("config") or {}, "extractor_llm.config")
+        )
 
 
 @dataclass(slots=True)

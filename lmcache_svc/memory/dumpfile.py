@@ -110,7 +110,7 @@ def _item(entry: dict[str, object], tensors: dict[str, torch.Tensor], path: str)
         memory_id = canonical_memory_id(str(entry.get("memory_id")))
     except ValueError:
         raise InvalidArgument(f"{path}: bad memory id {entry.get('memory_id')!r}") from None
-    layers = []
+    layers: list[tuple[torch.Tensor, torch.Tensor]] = []
     while f"{memory_id}.layers.{len(layers)}.keys" in tensors:
         prefix = f"{memory_id}.layers.{len(layers)}"
         if f"{prefix}.values" not in tensors:

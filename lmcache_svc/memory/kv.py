@@ -19,9 +19,8 @@ from typing import Any
 
 from transformers import DynamicCache
 
-from lmcache_svc.errors import InvalidArgument
-from lmcache_svc.memory.backend import InProcessBackend, MemoryBackend, is_conflict
-from lmcache_svc.memory.backend import service_backend
+from lmcache_svc.errors import Conflict, InvalidArgument
+from lmcache_svc.memory.backend import InProcessBackend, MemoryBackend, service_backend
 from lmcache_svc.memory.blob import item_from_blob, item_to_blob
 from lmcache_svc.memory.cache_layers import cache_layers, shape_of
 from lmcache_svc.memory.config import KVCacheMemoryConfig
@@ -62,8 +61,8 @@ class KVCacheMemory:
     def from_textual_memory(self, mem: Any) -> KVCacheItem:
         """An item from a MemOS ``TextualMemoryItem`` (its ``memory`` text and metadata)."""
         item = self.extract(str(mem.memory))
-        metadata = getattr(mem, "metadata", None)
-        if hasattr(metadata, "model_dump"):
+        metadata: Any = getattr(mem, "metadata", None)
+        if metadata is not None and hasattr(metadata, "model_dump"):
             metadata = metadata.model_dump()
         item.metadata = {**_jsonable(metadata or {}), "source_text": str(mem.memory)}
         return item
@@ -101,9 +100,7 @@ class KVCacheMemory:
     def _put(self, blob: bytes, memory_id: str) -> None:
         try:
             self.backend.put_memory(blob)
-        except Exception as exc:
-            if not is_conflict(exc):
-                raise
+        except Conflict:
             self.backend.delete_memory(memory_id)
             self.backend.put_memory(blob)
 

@@ -54,9 +54,7 @@ def merge_caches(items: Sequence[KVCacheItem], rope: Rope | None) -> DynamicCach
         offsets.append(offsets[-1] + seq_len(layers))
     merged = []
     for index in range(len(per_item[0])):
-        keys = [
-            _place(layers[index][0], offset, rope) for layers, offset in zip(per_item, offsets)
-        ]
+        keys = [_place(layers[index][0], offset, rope) for layers, offset in zip(per_item, offsets)]
         values = [layers[index][1] for layers in per_item]
         merged.append((torch.cat(keys, dim=-2), torch.cat(values, dim=-2)))
     return build_cache(merged)

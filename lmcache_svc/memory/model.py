@@ -64,23 +64,23 @@ class LocalModel:
     def memory_ids(self, source: Source) -> list[int]:
         if not self.has_chat_template:
             return self._encode(_plain_text(source), special=True)
-        rendered = self.tokenizer.apply_chat_template(
-            _as_messages(source, "system"), tokenize=False, add_generation_prompt=False
-        )
+        rendered = self._render(_as_messages(source, "system"), generation_prompt=False)
         return self._encode(rendered, special=False)
 
     def query_ids(self, query: Source) -> list[int]:
         if not self.has_chat_template:
             return self._encode(_plain_text(query), special=False)
-        rendered = self.tokenizer.apply_chat_template(
-            _as_messages(query, "user"),
-            tokenize=False,
-            add_generation_prompt=self.add_generation_prompt,
-        )
+        rendered = self._render(_as_messages(query, "user"), self.add_generation_prompt)
         bos = self.tokenizer.bos_token
         if bos and rendered.startswith(bos):
             rendered = rendered[len(bos) :]
         return self._encode(rendered, special=False)
+
+    def _render(self, messages: list[dict[str, Any]], generation_prompt: bool) -> str:
+        rendered = self.tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=generation_prompt
+        )
+        return str(rendered)
 
     def _encode(self, text: str, special: bool) -> list[int]:
         ids = list(self.tokenizer(text, add_special_tokens=special)["input_ids"])
@@ -137,7 +137,7 @@ def model_identity(path: str, model: torch.nn.Module) -> str:
     digest = hashlib.sha256()
     with open(os.path.join(path, "config.json"), "rb") as f:
         digest.update(f.read())
-    embed = model.get_input_embeddings().weight.detach()
+    embed = model.get_input_embeddings().weight.detach()  # type: ignore[operator]
     digest.update(embed.flatten()[:4096].to(torch.float32).numpy().tobytes())
     name = os.path.basename(os.path.normpath(path))
     return f"{name}@{digest.hexdigest()[:16]}"

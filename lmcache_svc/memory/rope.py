@@ -65,7 +65,7 @@ def rope_of(model: torch.nn.Module) -> Rope:
         )
     if float(getattr(rotary, "attention_scaling", 1.0)) != 1.0:
         raise InvalidArgument("cannot re-rotate keys: the model scales cos/sin (attention_scaling)")
-    inv_freq = rotary.inv_freq.detach().to(torch.float32).cpu()
+    inv_freq = torch.as_tensor(rotary.inv_freq).detach().to(torch.float32).cpu()
     head_dim = _head_dim(config)
     if inv_freq.numel() * 2 != head_dim:
         raise InvalidArgument(

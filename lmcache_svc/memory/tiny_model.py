@@ -10,6 +10,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers, processors
@@ -41,6 +42,7 @@ def build_tiny_llama(path: Path, spec: TinySpec = TinySpec(), chat_template: boo
     """Write a random-weight Llama and its tokenizer to ``path``; returns ``path``."""
     path.mkdir(parents=True, exist_ok=True)
     tokenizer = _tokenizer(spec.num_words, chat_template)
+    rope: dict[str, Any] = {"rope_theta": spec.rope_theta}  # 4.56 and 5.x both take it
     config = LlamaConfig(
         vocab_size=len(tokenizer),
         hidden_size=spec.hidden_size,
@@ -50,13 +52,13 @@ def build_tiny_llama(path: Path, spec: TinySpec = TinySpec(), chat_template: boo
         num_key_value_heads=spec.num_kv_heads,
         max_position_embeddings=spec.max_positions,
         initializer_range=spec.initializer_range,
-        rope_theta=spec.rope_theta,
+        **rope,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         tie_word_embeddings=False,
     )
     torch.manual_seed(spec.seed)
-    model = LlamaForCausalLM(config).to(spec.dtype)
+    model = LlamaForCausalLM(config).to(spec.dtype)  # type: ignore[arg-type]
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
