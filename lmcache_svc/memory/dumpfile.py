@@ -26,7 +26,7 @@ from lmcache_svc.memory.item import KVCacheItem, canonical_memory_id
 
 DUMP_FORMAT_KEY = "lmcache_svc.memory_dump_format"
 DUMP_FORMAT_VERSION = "1"
-PICKLE_PROTOCOL_2_PLUS = 0x80
+PICKLE_PROTO = 0x80
 
 
 def write_dump(path: str, items: Sequence[KVCacheItem], model_identity: str) -> None:
@@ -62,15 +62,15 @@ def read_dump(path: str, model_identity: str) -> list[KVCacheItem]:
     """The file's memories; ``InvalidArgument`` for a pickle, a bad file or another model's."""
     with open(path, "rb") as f:
         data = f.read()
-    if data[:1] == bytes([PICKLE_PROTOCOL_2_PLUS]):
-        raise InvalidArgument(
-            f"{path} is a pickle file (MemOS's dump format?): refusing to unpickle it, since "
-            "loading a pickle runs code from the file; re-extract the memories instead"
-        )
     try:
         tensors = st_load(data)
         header = _header(data)
     except (SafetensorError, ValueError) as exc:
+        if _looks_like_pickle(data):
+            raise InvalidArgument(
+                f"{path} is a pickle file (MemOS's dump format?): refusing to unpickle it, "
+                "since loading a pickle runs code from the file; re-extract the memories instead"
+            ) from None
         raise InvalidArgument(f"{path} is not a memory dump (safetensors): {exc}") from None
     if header.get("model") != model_identity:
         raise InvalidArgument(
@@ -85,6 +85,11 @@ def read_dump(path: str, model_identity: str) -> list[KVCacheItem]:
                 f"not {model_identity!r}"
             )
     return items
+
+
+def _looks_like_pickle(data: bytes) -> bool:
+    """Pickle protocols 2-5 start with PROTO (0x80) and the protocol number."""
+    return len(data) > 2 and data[0] == PICKLE_PROTO and 2 <= data[1] <= 5
 
 
 def _header(data: bytes) -> dict[str, str]:
