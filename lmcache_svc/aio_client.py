@@ -16,6 +16,7 @@ import grpc
 from lmcache_svc import errors
 from lmcache_svc.arena import ArenaMapping
 from lmcache_svc.keys import Namespace, NamespaceId
+from lmcache_svc.memories.format import MemoryInfo
 from lmcache_svc.rpc import (
     GetAssembler,
     LoadLease,
@@ -26,15 +27,18 @@ from lmcache_svc.rpc import (
     client_channel_options,
     convert_rpc_error,
     grpc_target,
+    join_memory_parts,
     load_lease,
     map_segment,
+    memory_parts,
+    memory_timeout,
     put_parts,
     stats_dict,
     store_slots,
 )
 from lmcache_svc.v1 import cache_pb2 as pb
 from lmcache_svc.v1 import cache_pb2_grpc as pb_grpc
-from lmcache_svc.wire import namespace_to_pb
+from lmcache_svc.wire import memory_info_from_pb, namespace_to_pb
 
 
 class _AsyncSession:
@@ -77,6 +81,7 @@ class AsyncCacheClient:
         self._metadata = auth_metadata(auth_token)
         self._channel = grpc.aio.insecure_channel(self._target, options=client_channel_options())
         self._stub = pb_grpc.CacheServiceStub(self._channel)
+        self._memories = pb_grpc.MemoryServiceStub(self._channel)
         self._namespaces: dict[bytes, Namespace] = {}
         self._client_name = client_name
         self._use_shm = use_shm
@@ -159,6 +164,46 @@ class AsyncCacheClient:
 
     async def stats(self) -> dict[str, Any]:
         return stats_dict(await self._call("Stats", pb.StatsRequest()))
+
+    # -- named memories (same semantics as CacheClient's) -------------------------------------
+
+    async def put_memory(self, blob: bytes | bytearray | memoryview) -> MemoryInfo:
+        try:
+            resp = await self._memories.PutMemory(
+                memory_parts(blob),
+                timeout=memory_timeout(self.timeout_s, memoryview(blob).nbytes),
+                metadata=self._metadata,
+            )
+        except grpc.RpcError as e:
+            raise convert_rpc_error(e) from None
+        return memory_info_from_pb(resp.memory)
+
+    async def get_memory(self, memory_id: str) -> bytes | None:
+        try:
+            call = self._memories.GetMemory(
+                pb.GetMemoryRequest(memory_id=memory_id),
+                timeout=memory_timeout(self.timeout_s, 1 << 30),
+                metadata=self._metadata,
+            )
+            return join_memory_parts([part async for part in call])
+        except grpc.RpcError as e:
+            raise convert_rpc_error(e) from None
+
+    async def list_memories(self) -> list[MemoryInfo]:
+        resp = await self._memory_call("ListMemories", pb.ListMemoriesRequest())
+        return [memory_info_from_pb(m) for m in resp.memories]
+
+    async def delete_memory(self, memory_id: str) -> bool:
+        resp = await self._memory_call("DeleteMemory", pb.DeleteMemoryRequest(memory_id=memory_id))
+        return bool(resp.deleted)
+
+    async def _memory_call(self, method: str, request: Any) -> Any:
+        try:
+            return await getattr(self._memories, method)(
+                request, timeout=self.timeout_s, metadata=self._metadata
+            )
+        except grpc.RpcError as e:
+            raise convert_rpc_error(e) from None
 
     # -- shared-memory path ------------------------------------------------------------------
 

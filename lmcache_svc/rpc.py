@@ -52,9 +52,11 @@ def grpc_target(address: str) -> str:
 
 def convert_rpc_error(error: grpc.RpcError) -> errors.LMCacheSvcError:
     """The project's exception for a failed call (the server sends the error kind)."""
-    code = error.code() if isinstance(error, grpc.Call) else grpc.StatusCode.UNKNOWN
-    details = (error.details() if isinstance(error, grpc.Call) else None) or str(error)
-    trailing = error.trailing_metadata() if isinstance(error, grpc.Call) else None
+    # grpc.aio's errors carry the same accessors but are not grpc.Call instances
+    call = isinstance(error, (grpc.Call, grpc.aio.AioRpcError))
+    code = error.code() if call else grpc.StatusCode.UNKNOWN
+    details = (error.details() if call else None) or str(error)
+    trailing = error.trailing_metadata() if call else None
     kind = dict(trailing or ()).get(ERROR_KIND_KEY)
     if kind:
         return error_from_kind(str(kind), details)

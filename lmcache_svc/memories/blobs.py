@@ -9,6 +9,7 @@ torn file. ``scan`` lists what a previous run left, reading only each file's hea
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import uuid
@@ -16,7 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Protocol
 
-from lmcache_svc.errors import ConfigError, InvalidArgument, TierError
+from lmcache_svc.errors import ConfigError, InvalidArgument, NoSpace, TierError
 from lmcache_svc.memories.format import MemoryInfo, header_length, parse_header
 
 log = logging.getLogger(__name__)
@@ -83,6 +84,8 @@ class DirBlobs:
             _fsync_dir(final.parent)
         except OSError as e:
             tmp.unlink(missing_ok=True)
+            if e.errno == errno.ENOSPC:
+                raise NoSpace(f"no room for memory {memory_id}: {self.path} is full") from None
             raise TierError(f"cannot write memory {memory_id} under {self.path}: {e}") from None
 
     def read(self, tenant: str, memory_id: str) -> bytes | None:

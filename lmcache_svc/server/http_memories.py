@@ -14,6 +14,7 @@ from typing import Annotated, Any
 from fastapi import Depends, FastAPI, Path, Request, Response
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
+from pydantic.json_schema import JsonDict
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import ClientDisconnect
 
@@ -28,10 +29,15 @@ OCTET_STREAM = "application/octet-stream"
 _BINARY = {OCTET_STREAM: {"schema": {"type": "string", "format": "binary"}}}
 _ITEM_PATH = "/v1/memories/{memory_id}"
 _TAGS: list[str | Any] = ["memories"]
+_UUID_PATTERN = "^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$"
+_UUID_SCHEMA: JsonDict = {"format": "uuid", "pattern": _UUID_PATTERN}
+"""Documented, not validated by FastAPI: the store checks ids, so a bad one is our 400."""
 
 
 class MemoryModel(BaseModel):
-    memory_id: str = Field(description="the memory's UUID, canonical lowercase form")
+    memory_id: str = Field(
+        description="the memory's UUID, canonical lowercase form", json_schema_extra=_UUID_SCHEMA
+    )
     size_bytes: int = Field(ge=0, description="size of the whole safetensors blob")
     model: str = Field(description="model identity recorded in the blob")
     metadata: dict[str, Any] = Field(description="the item's metadata (a JSON object)")
@@ -61,7 +67,13 @@ def _tenant(request: Request) -> str:
 
 Store = Annotated[MemoryStore, Depends(_store)]
 Tenant = Annotated[str, Depends(_tenant)]
-MemoryId = Annotated[str, Path(description="the memory's UUID, canonical lowercase form")]
+MemoryId = Annotated[
+    str,
+    Path(
+        description="the memory's UUID, canonical lowercase form (anything else is a 400)",
+        json_schema_extra=_UUID_SCHEMA,
+    ),
+]
 
 
 async def _memory_body(request: Request, store: Store) -> bytearray:

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+import subprocess
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -11,7 +12,7 @@ import pytest
 from lmcache_svc.config import load_config
 from lmcache_svc.errors import BadMemory, Conflict, InvalidArgument, NoSpace, PayloadTooLarge
 from lmcache_svc.memories.store import MemoryStore
-from tests.memories.blobs import make_memory, memory_id_of
+from tests.memories.blobs import make_memory, memory_id_of, tensor
 
 MakeStore = Callable[..., MemoryStore]
 
@@ -161,3 +162,32 @@ def test_memory_path_defaults_under_the_ssd_tier(tmp_path: Path) -> None:
     cfg = load_config(env={})
     assert cfg.memory.resolved_path(cfg.ssd.path) is None
     assert int(cfg.memory.capacity) == 1 << 30
+
+
+@pytest.fixture
+def tiny_fs(tmp_path: Path) -> Iterator[Path]:
+    """A 64 KiB tmpfs (needs root and mount; skipped elsewhere)."""
+    mount_point = tmp_path / "tiny"
+    mount_point.mkdir()
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mount_point)],
+        capture_output=True,
+        check=False,
+    )
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
+    try:
+        yield mount_point
+    finally:
+        subprocess.run(["umount", str(mount_point)], check=True)
+
+
+def test_a_full_disk_is_no_space_and_leaves_nothing_behind(tiny_fs: Path) -> None:
+    store = MemoryStore(capacity_bytes=1 << 20, max_bytes=1 << 20, path=tiny_fs)
+    big = make_memory(tensors={"t": tensor([64, 1024], dtype="U8")})  # 64 KiB of data
+    with pytest.raises(NoSpace, match="is full"):
+        store.put("default", big)
+    assert store.usage().num_memories == 0 and store.usage().used_bytes == 0
+    assert not list((tiny_fs / "tmp").iterdir())
+    small = make_memory(seed=1)
+    assert store.put("default", small)[1] is True  # the space was given back

@@ -1,0 +1,215 @@
+"""Named memories on real server processes: gRPC client processes, REST, restarts."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from lmcache_svc import errors
+from lmcache_svc.bench.procs import ServerProc, start_server
+from lmcache_svc.client import AsyncCacheClient, CacheClient, MemoryInfo
+from tests.memories.blobs import make_memory, memory_id_of
+from tests.server.test_grpc import run_py
+from tests.server.test_http import metric_value
+
+MID = "3b241101-e2bb-4255-8caf-4136c566a962"
+
+
+@pytest.fixture
+def servers(tmp_path: Path) -> Iterator[list[ServerProc]]:
+    started: list[ServerProc] = []
+    yield started
+    for proc in started:
+        proc.cleanup()
+
+
+def start(servers: list[ServerProc], tmp_path: Path, *args: str, **env: str) -> ServerProc:
+    proc = start_server(tmp_path, *args, env=env)
+    servers.append(proc)
+    return proc
+
+
+def test_a_memory_added_by_one_process_is_seen_by_another(
+    servers: list[ServerProc], tmp_path: Path
+) -> None:
+    server = start(servers, tmp_path)
+    writer = f"""
+        from lmcache_svc.client import CacheClient
+        from tests.memories.blobs import make_memory
+        with CacheClient({server.socket!r}, timeout_s=30) as c:
+            info = c.put_memory(make_memory({MID!r}, seed=3, metadata={{"doc": "faq"}}))
+            print(info.memory_id)
+    """
+    assert run_py(writer).strip() == MID
+    reader = f"""
+        import hashlib, json
+        from lmcache_svc.client import CacheClient
+        with CacheClient({server.grpc!r}, timeout_s=30) as c:
+            (info,) = c.list_memories()
+            blob = c.get_memory(info.memory_id)
+            print(json.dumps([info.memory_id, info.size_bytes, info.model, info.metadata,
+                              hashlib.sha256(blob).hexdigest()]))
+    """
+    expected = make_memory(MID, seed=3, metadata={"doc": "faq"})
+    got = json.loads(run_py(reader))
+    assert got == [
+        MID,
+        len(expected),
+        "test-model",
+        {"doc": "faq"},
+        hashlib.sha256(expected).hexdigest(),
+    ]
+
+
+def test_client_semantics(servers: list[ServerProc], tmp_path: Path) -> None:
+    server = start(servers, tmp_path)
+    blob = make_memory(MID, seed=1)
+    with CacheClient(server.socket, timeout_s=30) as c:
+        info = c.put_memory(blob)
+        assert info == MemoryInfo(MID, len(blob), "test-model", {"source": "test"})
+        assert c.put_memory(memoryview(blob)) == info  # same bytes: idempotent
+        with pytest.raises(errors.Conflict, match="other bytes"):
+            c.put_memory(make_memory(MID, seed=2))
+        assert c.get_memory(MID) == blob
+        assert c.list_memories() == [info]
+        assert c.get_memory("00000000-0000-4000-8000-000000000000") is None
+        with pytest.raises(errors.InvalidArgument, match="canonical lowercase UUID"):
+            c.get_memory("../../etc/passwd")
+        assert c.delete_memory(MID) is True
+        assert c.delete_memory(MID) is False
+        assert c.get_memory(MID) is None and c.list_memories() == []
+
+
+def test_bad_bodies_oversize_and_capacity_over_grpc(
+    servers: list[ServerProc], tmp_path: Path
+) -> None:
+    blob = make_memory(seed=1)
+    server = start(
+        servers,
+        tmp_path,
+        "--memory-bytes",
+        str(2 * len(blob)),
+        LMCACHE_SVC_MEMORY__MAX_BYTES=str(len(blob)),
+    )
+    with CacheClient(server.socket, timeout_s=30) as c:
+        with pytest.raises(errors.BadMemory, match="not safetensors"):
+            c.put_memory(b"\x00" * 64)
+        with pytest.raises(errors.PayloadTooLarge, match="memory.max_bytes"):
+            c.put_memory(blob + b"\x00")
+        c.put_memory(blob)
+        c.put_memory(make_memory(seed=2))
+        with pytest.raises(errors.NoSpace, match="memory.capacity"):
+            c.put_memory(make_memory(seed=3))
+        assert len(c.list_memories()) == 2
+        # REST shares the store and its limit
+        r = httpx.post(f"{server.http_url}/v1/memories", content=make_memory(seed=4))
+        assert r.status_code == 507 and r.json()["error"] == "no_space"
+        metrics = httpx.get(f"{server.http_url}/metrics").text
+        assert metric_value(metrics, "lmcache_svc_memories") == 2
+        assert metric_value(metrics, "lmcache_svc_memory_used_bytes") == 2 * len(blob)
+
+
+def test_memories_survive_a_restart_with_a_memory_path(
+    servers: list[ServerProc], tmp_path: Path
+) -> None:
+    path = tmp_path / "memories"
+    blob = make_memory(MID, seed=1)
+    first = start(servers, tmp_path, "--memory-path", str(path))
+    r = httpx.post(f"{first.http_url}/v1/memories", content=blob)
+    assert r.status_code == 201, r.text
+    first.kill()  # no clean shutdown: the put was durable when it returned
+
+    second = start(servers, tmp_path, "--memory-path", str(path))
+    with CacheClient(second.socket, timeout_s=30) as c:
+        assert c.get_memory(MID) == blob
+        assert [i.memory_id for i in c.list_memories()] == [MID]
+        assert c.delete_memory(MID)
+    assert second.stop() == 0
+
+    third = start(servers, tmp_path, "--memory-path", str(path))
+    with CacheClient(third.socket, timeout_s=30) as c:
+        assert c.list_memories() == []  # the delete persisted too
+
+
+def test_memories_persist_under_the_ssd_tier_by_default(
+    servers: list[ServerProc], tmp_path: Path
+) -> None:
+    ssd = tmp_path / "ssd"
+    blob = make_memory(MID)
+    first = start(servers, tmp_path, "--ssd-path", str(ssd))
+    with CacheClient(first.socket, timeout_s=30) as c:
+        c.put_memory(blob)
+    assert first.stop() == 0
+    assert [p.name for p in (ssd / "memories").glob("t-*/*")] == [f"{MID}.safetensors"]
+    second = start(servers, tmp_path, "--ssd-path", str(ssd))
+    with CacheClient(second.socket, timeout_s=30) as c:
+        assert c.get_memory(MID) == blob
+
+
+def test_without_a_persistent_path_memories_live_in_ram_only(
+    servers: list[ServerProc], tmp_path: Path
+) -> None:
+    first = start(servers, tmp_path)
+    with CacheClient(first.socket, timeout_s=30) as c:
+        c.put_memory(make_memory(MID))
+    assert first.stop() == 0
+    second = start(servers, tmp_path)
+    with CacheClient(second.socket, timeout_s=30) as c:
+        assert c.list_memories() == []
+
+
+def test_memories_need_the_token_over_grpc(servers: list[ServerProc], tmp_path: Path) -> None:
+    token = "memory-test-token-0123"
+    server = start(servers, tmp_path, LMCACHE_SVC_AUTH_TOKEN=token)
+    blob = make_memory(MID)
+    with CacheClient(server.socket, timeout_s=30) as anonymous:
+        with pytest.raises(errors.Unauthenticated):
+            anonymous.put_memory(blob)
+        with pytest.raises(errors.Unauthenticated):
+            anonymous.list_memories()
+    with CacheClient(server.socket, auth_token=token, timeout_s=30) as c:
+        assert c.put_memory(blob).memory_id == memory_id_of(blob)
+        assert c.get_memory(MID) == blob
+
+
+def test_async_client_has_the_same_semantics(servers: list[ServerProc], tmp_path: Path) -> None:
+    server = start(servers, tmp_path)
+    blob = make_memory(MID, seed=1)
+
+    async def scenario() -> None:
+        async with AsyncCacheClient(server.grpc, timeout_s=30) as c:
+            info = await c.put_memory(blob)
+            assert info == MemoryInfo(MID, len(blob), "test-model", {"source": "test"})
+            assert await c.put_memory(blob) == info
+            with pytest.raises(errors.Conflict):
+                await c.put_memory(make_memory(MID, seed=2))
+            assert await c.get_memory(MID) == blob
+            assert await c.list_memories() == [info]
+            assert await c.delete_memory(MID) is True
+            assert await c.get_memory(MID) is None
+            assert await c.delete_memory(MID) is False
+
+    asyncio.run(scenario())
+
+
+def test_async_client_raises_the_servers_error_class(
+    servers: list[ServerProc], tmp_path: Path
+) -> None:
+    """grpc.aio's errors are not grpc.Call instances; they used to become a bare
+    LMCacheSvcError("UNKNOWN: ...") instead of the class the server named."""
+    server = start(servers, tmp_path)
+
+    async def scenario() -> None:
+        async with AsyncCacheClient(server.grpc, timeout_s=30) as c:
+            with pytest.raises(errors.UnknownNamespace):
+                await c.lookup(b"\x01" * 16, [b"\x02" * 32])
+            with pytest.raises(errors.BadMemory, match="not safetensors"):
+                await c.put_memory(b"junk")
+
+    asyncio.run(scenario())
