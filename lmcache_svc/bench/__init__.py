@@ -32,6 +32,11 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
         "lmcache_svc.bench.overhead",
         "vLLM throughput with the plugin and nothing ever hitting vs no plugin",
     ),
+    "memory": (
+        "lmcache_svc.bench.memory",
+        "MemOS's KVCacheMemory matrix on a local transformers model: TTFT with a memory "
+        "fetched from the service vs as prompt text",
+    ),
     "scale": (
         "lmcache_svc.bench.scale",
         "server memory per indexed chunk; load time vs prefix length; lookup vs index size",

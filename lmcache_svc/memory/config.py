@@ -13,8 +13,9 @@ environment variable is used, and without either the memories stay in this proce
 
 from __future__ import annotations
 
+import inspect
 import os
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any
 
 from lmcache_svc.errors import ConfigError
@@ -74,22 +75,28 @@ class LLMConfig:
         )
 
 
-@dataclass(slots=True)
 class KVCacheMemoryConfig:
-    extractor_llm: LLMConfig
-    memory_filename: str = "activation_memory.safetensors"
-    service_address: str | None = None
-    auth_token: str | None = None
-    tenant: str | None = None
-    cube_id: str | None = None
+    __slots__ = (
+        "extractor_llm", "memory_filename", "service_address", "auth_token", "tenant", "cube_id",
+    )  # fmt: skip
 
-    def __post_init__(self) -> None:
-        self.extractor_llm = LLMConfig.parse(self.extractor_llm)
-        name = self.memory_filename
-        if not name or os.sep in name or name in (".", ".."):
-            raise ConfigError(f"memory_filename must be a plain file name, got {name!r}")
-        if self.service_address is None:
-            self.service_address = os.environ.get(ADDRESS_ENV) or None
+    def __init__(
+        self,
+        extractor_llm: LLMConfig | dict[str, Any],
+        memory_filename: str = "activation_memory.safetensors",
+        service_address: str | None = None,
+        auth_token: str | None = None,
+        tenant: str | None = None,
+        cube_id: str | None = None,
+    ) -> None:
+        self.extractor_llm: LLMConfig = LLMConfig.parse(extractor_llm)
+        if not memory_filename or os.sep in memory_filename or memory_filename in (".", ".."):
+            raise ConfigError(f"memory_filename must be a plain file name, got {memory_filename!r}")
+        self.memory_filename = memory_filename
+        self.service_address = service_address or os.environ.get(ADDRESS_ENV) or None
+        self.auth_token = auth_token
+        self.tenant = tenant
+        self.cube_id = cube_id
 
     @property
     def model_path(self) -> str:
@@ -110,7 +117,9 @@ class MemoryConfigFactory:
 
 
 def _build(cls: Any, values: dict[str, Any], where: str) -> Any:
-    names = {f.name for f in fields(cls)}
+    if not isinstance(values, dict):
+        raise ConfigError(f"{where} must be a dict, got {type(values).__name__}")
+    names = set(inspect.signature(cls).parameters)
     unknown = set(values) - names
     if unknown:
         raise ConfigError(f"{where}: unknown keys {sorted(unknown)}")
