@@ -51,21 +51,55 @@ def test_get_cache_refuses_another_models_memory(memory: KVCacheMemory) -> None:
         memory.get_cache([b.id])  # alone too: the cache is for this model
 
 
-def test_shifted_keys_equal_keys_computed_at_the_later_positions(plain_model: LocalModel) -> None:
-    ids = torch.tensor([plain_model.memory_ids(sample_text(40, 3))])
+def _with_rope(path: Path, rope_scaling: dict[str, object] | None) -> Path:
+    """Rewrite a saved model's config.json with another RoPE scaling (both spellings: 4.x
+    reads rope_scaling, 5.x rope_parameters)."""
+    if rope_scaling is not None:
+        cfg = path / "config.json"
+        data = json.loads(cfg.read_text())
+        data["rope_scaling"] = rope_scaling
+        data["rope_parameters"] = {"rope_theta": 10000.0, **rope_scaling}
+        cfg.write_text(json.dumps(data))
+    return path
+
+
+LLAMA3 = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 64,
+}
+
+
+@pytest.mark.parametrize(
+    "rope_scaling",
+    [None, {"rope_type": "linear", "factor": 4.0}, LLAMA3],
+    ids=["default", "linear", "llama3"],
+)
+def test_shifted_keys_equal_keys_computed_at_the_later_positions(
+    tmp_path: Path, rope_scaling: dict[str, object] | None
+) -> None:
+    path = _with_rope(build_tiny_llama(tmp_path / "m", TinySpec(rope_theta=500.0)), rope_scaling)
+    model = LocalModel(str(path))
+    ids = torch.tensor([model.memory_ids(sample_text(40, 3))])
     offset = 137
     with torch.no_grad():
-        at_zero = plain_model.model(input_ids=ids, use_cache=True).past_key_values
+        at_zero = model.model(input_ids=ids, use_cache=True).past_key_values
         later = torch.arange(offset, offset + ids.shape[1]).unsqueeze(0)
-        at_offset = plain_model.model(
-            input_ids=ids, position_ids=later, use_cache=True
-        ).past_key_values
-    rope = rope_of(plain_model.model)
+        at_offset = model.model(input_ids=ids, position_ids=later, use_cache=True).past_key_values
+    rope = rope_of(model.model)
     for (k0, v0), (k1, v1) in zip(cache_layers(at_zero), cache_layers(at_offset), strict=True):
         # Values carry no position (equal up to float rounding of relative attention).
         torch.testing.assert_close(v0, v1, atol=2e-5, rtol=1e-5)
         assert not torch.allclose(k0, k1, atol=1e-3)
         torch.testing.assert_close(rope.shift_keys(k0, offset), k1, atol=2e-5, rtol=1e-5)
+    # The frequencies are the config's: a plain rope_theta=500 rotation would not match.
+    if rope_scaling is not None:
+        plain = LocalModel(str(build_tiny_llama(tmp_path / "p", TinySpec(rope_theta=500.0))))
+        k0 = cache_layers(at_zero)[0][0]
+        k1 = cache_layers(at_offset)[0][0]
+        assert not torch.allclose(rope_of(plain.model).shift_keys(k0, offset), k1, atol=1e-3)
 
 
 def _kl(p_logits: torch.Tensor, q_logits: torch.Tensor) -> float:
@@ -95,7 +129,13 @@ def test_merged_cache_is_much_closer_to_the_concatenated_prompt(memory: KVCacheM
 
 @pytest.mark.parametrize(
     ("rope_scaling", "message"),
-    [({"rope_type": "dynamic", "factor": 2.0}, "RoPE type 'dynamic'")],
+    [
+        ({"rope_type": "dynamic", "factor": 2.0}, "RoPE type 'dynamic'"),
+        (
+            {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 4096},
+            "RoPE type 'yarn'",
+        ),
+    ],
 )
 def test_unsupported_rope_types_are_refused_clearly(
     tmp_path: Path,
@@ -103,12 +143,7 @@ def test_unsupported_rope_types_are_refused_clearly(
     rope_scaling: dict[str, object],
     message: str,
 ) -> None:
-    path = build_tiny_llama(tmp_path / "m", TinySpec(num_layers=1))
-    cfg = path / "config.json"
-    data = json.loads(cfg.read_text())
-    data["rope_scaling"] = rope_scaling
-    data["rope_parameters"] = {"rope_theta": 10000.0, **rope_scaling}
-    cfg.write_text(json.dumps(data))
+    path = _with_rope(build_tiny_llama(tmp_path / "m", TinySpec(num_layers=1)), rope_scaling)
     memory = make_memory(LocalModel(str(path)))
     a, b = memory.extract("w1 w2"), memory.extract("w3")
     memory.add([a, b])
