@@ -77,7 +77,19 @@ def _timed(call: Callable[[], Any]) -> tuple[float, Any]:
     return time.perf_counter() - t0, out
 
 
+def require_memory_extra() -> None:
+    try:
+        import safetensors  # noqa: F401
+        import transformers  # noqa: F401
+    except ImportError:
+        raise RuntimeError(
+            "bench memory needs the memory extra (transformers, safetensors): "
+            "pip install '.[memory]' (scripts/setup.sh --dev installs it)"
+        ) from None
+
+
 def run(ctx: BenchContext) -> Report:
+    require_memory_extra()
     from lmcache_svc.memory import KVCacheMemory, KVCacheMemoryConfig
     from lmcache_svc.memory.tiny_model import TinySpec, build_tiny_llama
 
