@@ -46,6 +46,18 @@ class KVCacheMemory:
             backend = service_backend(config.service_address, config.auth_token, config.tenant)
         self.backend: MemoryBackend = backend or InProcessBackend()
 
+    def close(self) -> None:
+        """Close the connection to the service (if any)."""
+        close = getattr(self.backend, "close", None)
+        if close is not None:
+            close()
+
+    def __enter__(self) -> KVCacheMemory:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     # -- building -----------------------------------------------------------------------
 
     def extract(self, text: Source) -> KVCacheItem:
@@ -173,8 +185,21 @@ class KVCacheMemory:
         items = read_dump(path, self.llm.identity)
         keep = {item.kv_cache_id for item in items}
         before = {info.memory_id for info in self.backend.list_memories()}
-        self.add(items)
+        saved = {i: self.backend.get_memory(i) for i in keep & before}
+        try:
+            self.add(items)
+        except Exception:
+            self._restore(keep - before, saved)
+            raise
         self.delete([memory_id for memory_id in before if memory_id not in keep])
+
+    def _restore(self, added: set[str], saved: dict[str, bytes | None]) -> None:
+        """Undo a failed load's puts: drop the new ids, put back the replaced blobs."""
+        for memory_id in added | set(saved):
+            self.backend.delete_memory(memory_id)
+        for blob in saved.values():
+            if blob is not None:
+                self.backend.put_memory(blob)
 
     # -- generation (same encoding rule as extract) -------------------------------------
 

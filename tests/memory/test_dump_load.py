@@ -11,10 +11,12 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from lmcache_svc.errors import InvalidArgument
-from lmcache_svc.memory import KVCacheMemory
+from lmcache_svc.errors import InvalidArgument, NoSpace
+from lmcache_svc.memory import InProcessBackend, KVCacheMemory
+from lmcache_svc.memory.blob import item_to_blob
 from lmcache_svc.memory.cache_layers import cache_layers
 from lmcache_svc.memory.model import LocalModel
+from tests.memory.conftest import memos_config
 
 
 def _state(memory: KVCacheMemory) -> dict[str, list[int] | None]:
@@ -111,3 +113,26 @@ def test_a_dump_whose_header_length_starts_with_the_pickle_byte_loads(
     memory.delete_all()
     memory.load(str(tmp_path))
     assert _state(memory) == {item.id: item.token_ids}
+
+
+def test_a_load_the_service_cannot_hold_is_rolled_back(
+    make_memory: Callable[..., KVCacheMemory], plain_model: LocalModel, tmp_path: Path
+) -> None:
+    source = make_memory()
+    items = [source.extract(f"w{i} w{i + 1} w{i + 2}") for i in range(3)]
+    source.add(items)
+    source.dump(str(tmp_path))
+    size = len(item_to_blob(items[0]))
+    memory = KVCacheMemory(
+        memos_config(Path(plain_model.path)),
+        backend=InProcessBackend(capacity_bytes=int(size * 3.5)),
+        model=plain_model,
+    )
+    replaced = memory.extract("w7 w8 w9")
+    replaced.id = items[0].id  # the file's first memory replaces it, then space runs out
+    other = memory.extract("w4 w5 w6")
+    memory.add([replaced, other])
+    before = _state(memory)
+    with pytest.raises(NoSpace):
+        memory.load(str(tmp_path))
+    assert _state(memory) == before
