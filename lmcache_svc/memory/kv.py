@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from datetime import datetime, timezone
 from typing import Any
 
@@ -231,11 +231,26 @@ class KVCacheMemory:
     def generate(self, query: Source, memory_ids: Sequence[str] = (), **kw: Any) -> str:
         return self.llm.decode(self.generate_ids(query, memory_ids, **kw).token_ids)
 
-    def build_vllm_kv_cache(self, messages: Source) -> None:
-        raise NotImplementedError(
-            "build_vllm_kv_cache is not implemented yet: run the messages through a vLLM engine "
-            "that uses the lmcache-svc connector to store their KV in the service"
-        )
+    def build_vllm_kv_cache(
+        self, messages: Source, prefill: Callable[[list[int]], object]
+    ) -> list[int]:
+        """Put the KV of ``messages`` into the service through a vLLM engine; their token ids.
+
+        ``messages`` are encoded by the chat-template rule (as ``extract`` encodes a memory)
+        and handed to ``prefill``, which must run them as a prompt (one generated token is
+        enough) through a vLLM engine that uses the lmcache-svc connector, e.g. ``lambda ids:
+        llm.generate(TokensPrompt(prompt_token_ids=ids), SamplingParams(max_tokens=1))``.
+        The connector stores their chunks in the service; a later request in any engine with
+        the connector whose prompt starts with these ids (``vllm_prompt_ids``) loads that
+        prefix, chunk-aligned, instead of computing it.
+        """
+        ids = self.llm.memory_ids(messages)
+        prefill(ids)
+        return ids
+
+    def vllm_prompt_ids(self, messages: Source, query: Source) -> list[int]:
+        """The prompt for a request after ``build_vllm_kv_cache(messages)``: same rule."""
+        return self.llm.memory_ids(messages) + self.llm.query_ids(query)
 
 
 def _now() -> str:

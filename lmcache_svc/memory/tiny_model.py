@@ -41,7 +41,7 @@ class TinySpec:
 def build_tiny_llama(path: Path, spec: TinySpec = TinySpec(), chat_template: bool = False) -> Path:
     """Write a random-weight Llama and its tokenizer to ``path``; returns ``path``."""
     path.mkdir(parents=True, exist_ok=True)
-    tokenizer = _tokenizer(spec.num_words, chat_template)
+    tokenizer = word_tokenizer(spec.num_words, chat_template)
     rope: dict[str, Any] = {"rope_theta": spec.rope_theta}  # 4.56 and 5.x both take it
     config = LlamaConfig(
         vocab_size=len(tokenizer),
@@ -64,7 +64,8 @@ def build_tiny_llama(path: Path, spec: TinySpec = TinySpec(), chat_template: boo
     return path
 
 
-def _tokenizer(num_words: int, chat_template: bool) -> PreTrainedTokenizerFast:
+def word_tokenizer(num_words: int, chat_template: bool) -> PreTrainedTokenizerFast:
+    """The word-level tokenizer (``w0`` .. ``w{num_words-1}`` after the special tokens)."""
     vocab = {token: index for index, token in enumerate(SPECIALS)}
     for word in range(num_words):
         vocab[f"w{word}"] = len(vocab)
