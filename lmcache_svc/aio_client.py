@@ -165,6 +165,15 @@ class AsyncCacheClient:
     async def stats(self) -> dict[str, Any]:
         return stats_dict(await self._call("Stats", pb.StatsRequest()))
 
+    async def wait_ready(self, timeout_s: float = 10.0) -> None:
+        """Wait until the server answers (raises ServerUnavailable after ``timeout_s``)."""
+        try:
+            await asyncio.wait_for(self._channel.channel_ready(), timeout_s)
+        except asyncio.TimeoutError:
+            raise errors.ServerUnavailable(
+                f"no lmcache-svc server answered at {self._target} within {timeout_s} s"
+            ) from None
+
     # -- named memories (same semantics as CacheClient's) -------------------------------------
 
     async def put_memory(self, blob: bytes | bytearray | memoryview) -> MemoryInfo:

@@ -7,6 +7,7 @@ import hashlib
 import json
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -29,6 +30,14 @@ def servers(tmp_path: Path) -> Iterator[list[ServerProc]]:
         proc.cleanup()
 
 
+def ready_client(address: str, **kwargs: Any) -> CacheClient:
+    """A client whose channel is connected: under load a first call right after start-up
+    can otherwise fail its connection attempt (the reconnect options keep it short)."""
+    client = CacheClient(address, timeout_s=30, **kwargs)
+    client.wait_ready(30)
+    return client
+
+
 def start(servers: list[ServerProc], tmp_path: Path, *args: str, **env: str) -> ServerProc:
     proc = start_server(tmp_path, *args, env=env)
     servers.append(proc)
@@ -42,7 +51,9 @@ def test_a_memory_added_by_one_process_is_seen_by_another(
     writer = f"""
         from lmcache_svc.client import CacheClient
         from tests.memories.blobs import make_memory
-        with CacheClient({server.socket!r}, timeout_s=30) as c:
+        c = CacheClient({server.socket!r}, timeout_s=30)
+        c.wait_ready(30)
+        with c:
             info = c.put_memory(make_memory({MID!r}, seed=3, metadata={{"doc": "faq"}}))
             print(info.memory_id)
     """
@@ -50,7 +61,9 @@ def test_a_memory_added_by_one_process_is_seen_by_another(
     reader = f"""
         import hashlib, json
         from lmcache_svc.client import CacheClient
-        with CacheClient({server.grpc!r}, timeout_s=30) as c:
+        c = CacheClient({server.grpc!r}, timeout_s=30)
+        c.wait_ready(30)
+        with c:
             (info,) = c.list_memories()
             blob = c.get_memory(info.memory_id)
             print(json.dumps([info.memory_id, info.size_bytes, info.model, info.metadata,
@@ -70,7 +83,7 @@ def test_a_memory_added_by_one_process_is_seen_by_another(
 def test_client_semantics(servers: list[ServerProc], tmp_path: Path) -> None:
     server = start(servers, tmp_path)
     blob = make_memory(MID, seed=1)
-    with CacheClient(server.socket, timeout_s=30) as c:
+    with ready_client(server.socket) as c:
         info = c.put_memory(blob)
         assert info == MemoryInfo(MID, len(blob), "test-model", {"source": "test"})
         assert c.put_memory(memoryview(blob)) == info  # same bytes: idempotent
@@ -97,7 +110,7 @@ def test_bad_bodies_oversize_and_capacity_over_grpc(
         str(2 * len(blob)),
         LMCACHE_SVC_MEMORY__MAX_BYTES=str(len(blob)),
     )
-    with CacheClient(server.socket, timeout_s=30) as c:
+    with ready_client(server.socket) as c:
         with pytest.raises(errors.BadMemory, match="not safetensors"):
             c.put_memory(b"\x00" * 64)
         with pytest.raises(errors.PayloadTooLarge, match="memory.max_bytes"):
@@ -126,14 +139,14 @@ def test_memories_survive_a_restart_with_a_memory_path(
     first.kill()  # no clean shutdown: the put was durable when it returned
 
     second = start(servers, tmp_path, "--memory-path", str(path))
-    with CacheClient(second.socket, timeout_s=30) as c:
+    with ready_client(second.socket) as c:
         assert c.get_memory(MID) == blob
         assert [i.memory_id for i in c.list_memories()] == [MID]
         assert c.delete_memory(MID)
     assert second.stop() == 0
 
     third = start(servers, tmp_path, "--memory-path", str(path))
-    with CacheClient(third.socket, timeout_s=30) as c:
+    with ready_client(third.socket) as c:
         assert c.list_memories() == []  # the delete persisted too
 
 
@@ -143,12 +156,12 @@ def test_memories_persist_under_the_ssd_tier_by_default(
     ssd = tmp_path / "ssd"
     blob = make_memory(MID)
     first = start(servers, tmp_path, "--ssd-path", str(ssd))
-    with CacheClient(first.socket, timeout_s=30) as c:
+    with ready_client(first.socket) as c:
         c.put_memory(blob)
     assert first.stop() == 0
     assert [p.name for p in (ssd / "memories").glob("t-*/*")] == [f"{MID}.safetensors"]
     second = start(servers, tmp_path, "--ssd-path", str(ssd))
-    with CacheClient(second.socket, timeout_s=30) as c:
+    with ready_client(second.socket) as c:
         assert c.get_memory(MID) == blob
 
 
@@ -156,11 +169,11 @@ def test_without_a_persistent_path_memories_live_in_ram_only(
     servers: list[ServerProc], tmp_path: Path
 ) -> None:
     first = start(servers, tmp_path)
-    with CacheClient(first.socket, timeout_s=30) as c:
+    with ready_client(first.socket) as c:
         c.put_memory(make_memory(MID))
     assert first.stop() == 0
     second = start(servers, tmp_path)
-    with CacheClient(second.socket, timeout_s=30) as c:
+    with ready_client(second.socket) as c:
         assert c.list_memories() == []
 
 
@@ -168,12 +181,12 @@ def test_memories_need_the_token_over_grpc(servers: list[ServerProc], tmp_path: 
     token = "memory-test-token-0123"
     server = start(servers, tmp_path, LMCACHE_SVC_AUTH_TOKEN=token)
     blob = make_memory(MID)
-    with CacheClient(server.socket, timeout_s=30) as anonymous:
+    with ready_client(server.socket) as anonymous:
         with pytest.raises(errors.Unauthenticated):
             anonymous.put_memory(blob)
         with pytest.raises(errors.Unauthenticated):
             anonymous.list_memories()
-    with CacheClient(server.socket, auth_token=token, timeout_s=30) as c:
+    with ready_client(server.socket, auth_token=token) as c:
         assert c.put_memory(blob).memory_id == memory_id_of(blob)
         assert c.get_memory(MID) == blob
 
@@ -184,6 +197,7 @@ def test_async_client_has_the_same_semantics(servers: list[ServerProc], tmp_path
 
     async def scenario() -> None:
         async with AsyncCacheClient(server.grpc, timeout_s=30) as c:
+            await c.wait_ready(30)
             info = await c.put_memory(blob)
             assert info == MemoryInfo(MID, len(blob), "test-model", {"source": "test"})
             assert await c.put_memory(blob) == info
@@ -207,6 +221,7 @@ def test_async_client_raises_the_servers_error_class(
 
     async def scenario() -> None:
         async with AsyncCacheClient(server.grpc, timeout_s=30) as c:
+            await c.wait_ready(30)
             with pytest.raises(errors.UnknownNamespace):
                 await c.lookup(b"\x01" * 16, [b"\x02" * 32])
             with pytest.raises(errors.BadMemory, match="not safetensors"):
