@@ -22,7 +22,7 @@ from transformers import DynamicCache
 from lmcache_svc.errors import Conflict, InvalidArgument
 from lmcache_svc.memory.backend import InProcessBackend, MemoryBackend, service_backend
 from lmcache_svc.memory.blob import item_from_blob, item_to_blob
-from lmcache_svc.memory.cache_layers import cache_layers, shape_of
+from lmcache_svc.memory.cache_layers import cache_layers, seq_len, shape_of
 from lmcache_svc.memory.config import KVCacheMemoryConfig
 from lmcache_svc.memory.dumpfile import read_dump, write_dump
 from lmcache_svc.memory.item import KVCacheItem, canonical_memory_id
@@ -90,10 +90,21 @@ class KVCacheMemory:
     def _checked(self, item: KVCacheItem) -> KVCacheItem:
         if not isinstance(item, KVCacheItem):
             raise InvalidArgument(f"add() takes KVCacheItems, got {type(item).__name__}")
+        layers = cache_layers(item.kv_cache)
+        if item.token_ids is not None and len(item.token_ids) != seq_len(layers):
+            raise InvalidArgument(
+                f"memory {item.kv_cache_id}: {len(item.token_ids)} token ids for a cache of "
+                f"{seq_len(layers)} tokens"
+            )
+        try:
+            json.dumps(item.metadata)
+        except (TypeError, ValueError) as exc:
+            raise InvalidArgument(
+                f"memory {item.kv_cache_id}: metadata is not JSON: {exc}"
+            ) from None
         if item.model is None:
             self._check_fits_model(item)
             item.model = self.llm.identity
-        json.dumps(item.metadata)
         return item
 
     def _check_fits_model(self, item: KVCacheItem) -> None:

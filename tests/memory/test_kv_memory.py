@@ -112,3 +112,15 @@ def test_from_textual_memory_keeps_its_metadata(memory: KVCacheMemory) -> None:
     item = memory.from_textual_memory(TextualMemoryItem())
     assert item.token_ids == memory.llm.memory_ids("w4 w5 w6")
     assert item.metadata == {"user_id": "u1", "tags": ["x"], "source_text": "w4 w5 w6"}
+
+
+def test_add_refuses_bad_metadata_or_token_ids_clearly(memory: KVCacheMemory) -> None:
+    item = memory.extract("w1 w2")
+    item.metadata = {"when": object()}
+    with pytest.raises(InvalidArgument, match="metadata is not JSON"):
+        memory.add([item])
+    item = memory.extract("w1 w2")
+    item.token_ids = [1, 2]
+    with pytest.raises(InvalidArgument, match="2 token ids for a cache of 3 tokens"):
+        memory.add([item])
+    assert memory.get_all() == []
