@@ -21,6 +21,9 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(900)]
 CHUNK = 256
 EXT_HITS = "vllm:external_prefix_cache_hits"
 NUM_WORDS = VOCAB_SIZE - len(SPECIALS)
+# Every compared engine computes on one thread (an engine with a connector reserves one more
+# core than one without, and other reductions flip near-tied greedy tokens).
+ONE_THREAD = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "1"}
 
 
 def test_build_vllm_kv_cache_makes_a_later_request_hit_the_service(tmp_path: Path) -> None:
@@ -36,19 +39,19 @@ def test_build_vllm_kv_cache_makes_a_later_request_hit_the_service(tmp_path: Pat
     server = start_server(tmp_path)
     engines: list[EngineProc] = []
     try:
-        ref = EngineProc.start("ref", model_dir, tmp_path)
+        ref = EngineProc.start("ref", model_dir, tmp_path, env=ONE_THREAD)
         engines.append(ref)
         expected = ref.generate([prompt], 16)[0]["token_ids"]
         ref.close()
 
         config = kv_transfer_config(server.socket, retry_interval_s=0.2)
-        builder = EngineProc.start("builder", model_dir, tmp_path, kv_config=config)
+        builder = EngineProc.start("builder", model_dir, tmp_path, kv_config=config, env=ONE_THREAD)
         engines.append(builder)
         ids = memory.build_vllm_kv_cache(messages, lambda ids: builder.generate([ids], 1))
         assert prompt[: len(ids)] == ids and len(ids) >= 2 * CHUNK
         builder.close()
 
-        fresh = EngineProc.start("fresh", model_dir, tmp_path, kv_config=config)
+        fresh = EngineProc.start("fresh", model_dir, tmp_path, kv_config=config, env=ONE_THREAD)
         engines.append(fresh)
         before = fresh.metrics()
         out = fresh.generate([prompt], 16)[0]
