@@ -21,8 +21,10 @@ _UNAVAILABLE = {
     grpc.StatusCode.CANCELLED,
 }
 RECONNECT_OPTIONS = [
+    # Retry a lost server quickly (100 ms, backing off to 1 s). Not min_reconnect_backoff_ms:
+    # gRPC also uses it as the time a connection attempt may take, so 100 ms there failed
+    # calls whenever the server's handshake was slower (a loaded host, a server starting up).
     ("grpc.initial_reconnect_backoff_ms", 100),
-    ("grpc.min_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 1000),
 ]
 

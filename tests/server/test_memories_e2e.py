@@ -31,8 +31,7 @@ def servers(tmp_path: Path) -> Iterator[list[ServerProc]]:
 
 
 def ready_client(address: str, **kwargs: Any) -> CacheClient:
-    """A client whose channel is connected: under load a first call right after start-up
-    can otherwise fail its connection attempt (the reconnect options keep it short)."""
+    """A client whose channel is connected, with deadlines generous for a loaded host."""
     client = CacheClient(address, timeout_s=30, **kwargs)
     client.wait_ready(30)
     return client
