@@ -7,7 +7,7 @@ MemOS's form is accepted as is::
 
 ``model_name_or_path`` must be a local directory (nothing is ever downloaded). The service:
 ``service_address`` (a gRPC address: ``/path/grpc.sock``, ``unix:/path``, ``host:port``),
-``auth_token`` and ``tenant``. Without ``service_address`` the ``LMCACHE_SVC_ADDRESS``
+``auth_token`` and ``tenant``. Without ``service_address`` the ``LMCACHE_MEMORY_SERVICE``
 environment variable is used, and without either the memories stay in this process.
 """
 
@@ -21,7 +21,7 @@ from typing import Any
 from lmcache_svc.errors import ConfigError
 
 HF_BACKENDS = ("huggingface", "huggingface_singleton")
-ADDRESS_ENV = "LMCACHE_SVC_ADDRESS"
+ADDRESS_ENV = "LMCACHE_MEMORY_SERVICE"
 
 
 @dataclass(slots=True)

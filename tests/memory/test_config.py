@@ -18,7 +18,7 @@ def _llm(path: str, **extra: object) -> dict[str, object]:
 
 
 def test_memos_form_is_accepted(plain_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("LMCACHE_SVC_ADDRESS", raising=False)
+    monkeypatch.delenv("LMCACHE_MEMORY_SERVICE", raising=False)
     config = KVCacheMemoryConfig(extractor_llm=_llm(str(plain_model_dir), max_tokens=32))
     assert config.model_path == str(plain_model_dir)
     assert config.extractor_llm.config.max_tokens == 32
@@ -32,7 +32,7 @@ def test_memos_form_is_accepted(plain_model_dir: Path, monkeypatch: pytest.Monke
 def test_the_service_address_comes_from_the_config_or_the_environment(
     plain_model_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setenv("LMCACHE_SVC_ADDRESS", "/tmp/x.sock")
+    monkeypatch.setenv("LMCACHE_MEMORY_SERVICE", "/tmp/x.sock")
     assert (
         KVCacheMemoryConfig(extractor_llm=_llm(str(plain_model_dir))).service_address
         == "/tmp/x.sock"
@@ -63,3 +63,12 @@ def test_the_server_never_imports_the_memory_api() -> None:
         "assert not bad, bad"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_the_address_variable_does_not_upset_a_server_started_beside_it() -> None:
+    """The server reads every LMCACHE_SVC_* variable as one of its settings: the API's
+    variable must not be one (a server started with it set refused to start)."""
+    from lmcache_svc.config import load_config
+    from lmcache_svc.memory.config import ADDRESS_ENV
+
+    assert load_config(env={ADDRESS_ENV: "/tmp/x.sock"}) is not None

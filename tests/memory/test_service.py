@@ -1,6 +1,6 @@
 """End to end against a real ``lmcache-svc serve``: memories added by one process are seen,
 merged and generated with by another; the MemOS example's flow runs with only the imports
-changed (the service is named by LMCACHE_SVC_ADDRESS, as a deployment would)."""
+changed (the service is named by LMCACHE_MEMORY_SERVICE, as a deployment would)."""
 
 from __future__ import annotations
 
@@ -145,7 +145,7 @@ def test_the_memos_usage_example_runs_against_the_service(
         ],
         check=True,
         timeout=240,
-        env={**__import__("os").environ, "LMCACHE_SVC_ADDRESS": server.socket},
+        env={**__import__("os").environ, "LMCACHE_MEMORY_SERVICE": server.socket},
     )
     steps = json.loads(out.read_text())
     first_id, second_id = steps["ids"]
