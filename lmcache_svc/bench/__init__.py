@@ -37,6 +37,11 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
         "clients storing, loading and looking up through client kills, a hung and a "
         "restarted Redis and server restarts; every loaded byte verified",
     ),
+    "memory": (
+        "lmcache_svc.bench.memory",
+        "MemOS's KVCacheMemory matrix on a local transformers model: TTFT with a memory "
+        "fetched from the service vs as prompt text",
+    ),
     "scale": (
         "lmcache_svc.bench.scale",
         "server memory per indexed chunk; load time vs prefix length; lookup vs index size",

@@ -1,0 +1,65 @@
+"""build_vllm_kv_cache on real vLLM: messages run through one engine with the connector land
+in the service; a fresh engine's request that starts with them loads that prefix from the
+service, and its greedy output equals an engine's without the connector."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from lmcache_svc.bench.procs import start_server
+from lmcache_svc.bench.vllm.bench_model import VOCAB_SIZE, make_tiny_model
+from lmcache_svc.bench.vllm.engines import EngineProc, delta, kv_transfer_config
+from lmcache_svc.memory import KVCacheMemory
+from lmcache_svc.memory.tiny_model import SPECIALS, sample_text, word_tokenizer
+from tests.memory.conftest import memos_config
+from tests.vllm.conftest import require_vllm_venv
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(900)]
+
+CHUNK = 256
+EXT_HITS = "vllm:external_prefix_cache_hits"
+NUM_WORDS = VOCAB_SIZE - len(SPECIALS)
+# Every compared engine computes on one thread (an engine with a connector reserves one more
+# core than one without, and other reductions flip near-tied greedy tokens).
+ONE_THREAD = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "1"}
+
+
+def test_build_vllm_kv_cache_makes_a_later_request_hit_the_service(tmp_path: Path) -> None:
+    require_vllm_venv()
+    model_dir = make_tiny_model(tmp_path / "model")  # vLLM-friendly random weights
+    word_tokenizer(NUM_WORDS, chat_template=True).save_pretrained(model_dir)
+    memory = KVCacheMemory(memos_config(model_dir))
+    messages = [
+        {"role": "system", "content": sample_text(300, 1, NUM_WORDS)},
+        {"role": "user", "content": sample_text(300, 2, NUM_WORDS)},
+    ]
+    prompt = memory.vllm_prompt_ids(messages, sample_text(40, 3, NUM_WORDS))
+    server = start_server(tmp_path)
+    engines: list[EngineProc] = []
+    try:
+        ref = EngineProc.start("ref", model_dir, tmp_path, env=ONE_THREAD)
+        engines.append(ref)
+        expected = ref.generate([prompt], 16)[0]["token_ids"]
+        ref.close()
+
+        config = kv_transfer_config(server.socket, retry_interval_s=0.2)
+        builder = EngineProc.start("builder", model_dir, tmp_path, kv_config=config, env=ONE_THREAD)
+        engines.append(builder)
+        ids = memory.build_vllm_kv_cache(messages, lambda ids: builder.generate([ids], 1))
+        assert prompt[: len(ids)] == ids and len(ids) >= 2 * CHUNK
+        builder.close()
+
+        fresh = EngineProc.start("fresh", model_dir, tmp_path, kv_config=config, env=ONE_THREAD)
+        engines.append(fresh)
+        before = fresh.metrics()
+        out = fresh.generate([prompt], 16)[0]
+        hit = len(ids) // CHUNK * CHUNK  # the connector stores whole chunks
+        assert out["num_cached_tokens"] == hit
+        assert delta(fresh.metrics(), before, EXT_HITS) == hit
+        assert out["token_ids"] == expected
+    finally:
+        for engine in engines:
+            engine.close()
+        server.cleanup()
