@@ -125,19 +125,26 @@ class FirstTier:
 
     def copy_through(self, keys: list[ChunkKey]) -> None:
         """Copy committed chunks to the write-through tiers (runs on the background thread)."""
-        with self._lock:
-            pinned = [k for k in keys if self._index.readable(k)]
-            for key in pinned:
-                self._index.pin(key)
-            slots = [self._index.slot_of(k) for k in pinned]
+        pinned, slots = self._pin_readable(keys)
         try:
             items = [(k, s, self._tier.view(s)) for k, s in zip(pinned, slots)]
             intact = [(k, v) for k, s, v in items if self._intact(k, s, v, condemn=True)]
             self._lower.copy_through(intact)
         finally:
-            with self._lock:
-                for key in pinned:
-                    self.unpin(key)
+            self._unpin_all(pinned)
+
+    def _pin_readable(self, keys: Sequence[ChunkKey]) -> tuple[list[ChunkKey], list[Slot]]:
+        """Pin the committed chunks among ``keys`` (for a copy outside the lock); their slots."""
+        with self._lock:
+            pinned = [k for k in keys if self._index.readable(k)]
+            for key in pinned:
+                self._index.pin(key)
+            return pinned, [self._index.slot_of(k) for k in pinned]
+
+    def _unpin_all(self, keys: Sequence[ChunkKey]) -> None:
+        with self._lock:
+            for key in keys:
+                self.unpin(key)
 
     def unpin(self, key: ChunkKey) -> None:
         """Drop one pin, freeing a chunk deleted while pinned (caller holds the lock)."""
@@ -162,11 +169,7 @@ class FirstTier:
         sums = self._sums
         if sums is None:
             return
-        with self._lock:
-            pinned = [k for k in keys if self._index.readable(k)]
-            for key in pinned:
-                self._index.pin(key)
-            slots = [self._index.slot_of(k) for k in pinned]
+        pinned, slots = self._pin_readable(keys)
         try:
             values = [checksum(self._tier.view(s)) for s in slots]
             with self._lock:
@@ -174,9 +177,7 @@ class FirstTier:
                     if sums.stored(slot) is None:
                         sums.record(slot, value)
         finally:
-            with self._lock:
-                for key in pinned:
-                    self.unpin(key)
+            self._unpin_all(pinned)
 
     def verified_prefix(self, keys: Sequence[ChunkKey]) -> int:
         """How many of ``keys`` (pinned) lead with intact bytes; the first chunk that fails

@@ -29,6 +29,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -104,6 +105,20 @@ def check_indexed(client: CacheClient, num_chunks: int) -> None:
 INDEX_ONLY_ENV = {"LMCACHE_SVC_CACHE__CHECKSUMS": "false"}
 """Server settings for an index filled without payloads: checksumming 10^6 unwritten slots
 would fault in the sparse segment's pages (and measure nothing a real store does)."""
+
+
+def start_index_only_server(work_dir: Path, capacity: int) -> ServerProc:
+    """A server whose arena holds index entries only (payloads never written, so no
+    checksums are taken), not pre-faulted."""
+    return start_server(
+        work_dir,
+        "--cpu-bytes",
+        str(capacity),
+        "--prefault",
+        "off",
+        env=INDEX_ONLY_ENV,
+        timeout_s=60.0,
+    )
 
 
 def _batches(start: int, stop: int) -> Iterator[list[bytes]]:
@@ -315,15 +330,7 @@ def run(ctx: BenchContext) -> Report:
     report = ctx.report()
     ns = tiny_namespace()
     capacity = arena_bytes(sizes[-1])
-    server = start_server(
-        ctx.work_dir,
-        "--cpu-bytes",
-        str(capacity),
-        "--prefault",
-        "off",
-        env=INDEX_ONLY_ENV,
-        timeout_s=60.0,
-    )
+    server = start_index_only_server(ctx.work_dir, capacity)
     clients: Clients | None = None
     try:
         clients = Clients.open(server, ns)

@@ -33,7 +33,6 @@ import numpy as np
 
 from lmcache_svc.bench import plots
 from lmcache_svc.bench.lookup import (
-    INDEX_ONLY_ENV,
     Clients,
     Latency,
     arena_bytes,
@@ -41,6 +40,7 @@ from lmcache_svc.bench.lookup import (
     fill_cache,
     inprocess_cache,
     prompt_hashes,
+    start_index_only_server,
     time_calls,
     tiny_namespace,
 )
@@ -89,15 +89,7 @@ def _index_scale(ctx: BenchContext, report: Report, steps: list[int]) -> None:
     ns = tiny_namespace("bench-scale")
     capacity = arena_bytes(steps[-1])
     iters = ctx.option("iters", 300 if ctx.quick else 3000)
-    server = start_server(
-        ctx.work_dir,
-        "--cpu-bytes",
-        str(capacity),
-        "--prefault",
-        "off",
-        env=INDEX_ONLY_ENV,
-        timeout_s=60.0,
-    )
+    server = start_index_only_server(ctx.work_dir, capacity)
     clients: Clients | None = None
     rows: list[dict[str, Any]] = []
     try:
