@@ -260,6 +260,9 @@ def drive_server(server: ServerProc, redis: RedisProc) -> None:
             wait_for_metric(server, 'lmcache_svc_errors_total{kind="tier_unavailable"}')
         finally:  # the session's Redis serves other tests next
             assert send_command(redis.port, "CLIENT", "UNPAUSE").startswith(b"+OK")
+        # The failed writes marked the Redis tier down (its chunks are misses meanwhile);
+        # the server's probe brings it back by itself once Redis answers again.
+        wait_for_metric(server, 'lmcache_svc_tier_breaker_state{tier="redis"} 0.0', 60.0)
     with CacheClient(server.socket, timeout_s=10) as abandoning:  # a reservation, never used
         ns_id = abandoning.register_namespace(NS)
         slots = abandoning.prepare_store(ns_id, chunk_hashes(NS, [3] * NS.chunk_size))
