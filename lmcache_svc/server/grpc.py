@@ -16,7 +16,7 @@ import functools
 import logging
 import secrets
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
@@ -116,28 +116,22 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
         self._inline_slots = len(cache.tiers) == 1
         self._first = cache.tiers[0]
 
-    async def _slots(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    async def _slots(self, fn: Callable[..., T], *args: Any, arena_only: bool, **kwargs: Any) -> T:
         """A slot operation: inline when it cannot block (CPU tier only), else on the arena
-        pool when it needs only the arena, else on the lower-tier pool."""
+        pool when the caller knows it needs only the arena, else on the lower-tier pool."""
         if self._inline_slots:
             return fn(*args, **kwargs)
-        pool = self._arena_pool if self._arena_only(fn, args) else self._pool
+        pool = self._arena_pool if arena_only else self._pool
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(pool, functools.partial(fn, *args, **kwargs))
 
-    def _arena_only(self, fn: Callable[..., Any], args: tuple[Any, ...]) -> bool:
-        """Whether a slot operation will not need a lower tier (a guess for stores: one that
-        evicts after all may demote, which the tier's circuit breaker keeps short)."""
-        name = getattr(fn, "__name__", "")
-        if name in ("commit_store", "abort_store", "close_session"):
-            return True
-        if name == "prepare_load":
-            return self._cache.first_tier_holds(args[0], args[1])
-        if name == "prepare_store":
-            need = len(args[1]) * self._cache.namespace(args[0]).chunk_bytes
-            free = self._cache.settings.high_watermark * self._first.capacity_bytes
-            return self._first.used_bytes + need <= free
-        return False
+    def _store_fits(self, namespace_id: bytes, chunk_hashes: Sequence[bytes]) -> bool:
+        """Whether a store fits the arena below its high watermark, so it evicts (and
+        demotes to a lower tier) nothing: a guess, and one that evicts after all is kept
+        short by the lower tier's circuit breaker."""
+        need = len(chunk_hashes) * self._cache.namespace(namespace_id).chunk_bytes
+        room = self._cache.settings.high_watermark * self._first.capacity_bytes
+        return self._first.used_bytes + need <= room
 
     async def _run(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         loop = asyncio.get_running_loop()
@@ -182,7 +176,7 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
             await self._stopping.wait()
         finally:
             # The client went away (or the server stops): reclaim what it held.
-            await self._slots(self._cache.close_session, session_id)
+            await self._slots(self._cache.close_session, session_id, arena_only=True)
 
     @_rpc
     async def Lookup(self, request: Any, context: Any) -> pb.LookupResponse:
@@ -217,6 +211,7 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
             self._cache.prepare_store,
             request.namespace_id,
             request.chunk_hashes,
+            arena_only=self._store_fits(request.namespace_id, request.chunk_hashes),
             session_id=request.session_id,
             ttl_s=request.ttl_ms / 1000,
         )
@@ -236,23 +231,28 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
         self._require_session(request.session_id, "CommitStore")
         fn = self._cache.abort_store if request.abort else self._cache.commit_store
         num = await self._slots(
-            fn, request.namespace_id, request.chunk_hashes, session_id=request.session_id
+            fn,
+            request.namespace_id,
+            request.chunk_hashes,
+            arena_only=True,
+            session_id=request.session_id,
         )
         return pb.CommitStoreResponse(num_committed=num)
 
     @_rpc
     async def PrepareLoad(self, request: Any, context: Any) -> pb.PrepareLoadResponse:
         self._check_session(request.session_id)
-        # verify hashes every leased chunk: bulk work, never on the event loop
-        run = self._run if request.verify else self._slots
-        lease = await run(
-            self._cache.prepare_load,
-            request.namespace_id,
-            request.chunk_hashes,
-            session_id=request.session_id or None,
-            ttl_s=request.ttl_ms / 1000,
-            verify=request.verify,
-        )
+        args = (self._cache.prepare_load, request.namespace_id, request.chunk_hashes)
+        kwargs = {
+            "session_id": request.session_id or None,
+            "ttl_s": request.ttl_ms / 1000,
+            "verify": request.verify,
+        }
+        if request.verify:  # hashes every leased chunk: bulk work, never on the event loop
+            lease = await self._run(*args, **kwargs)
+        else:
+            in_arena = self._cache.first_tier_holds(request.namespace_id, request.chunk_hashes)
+            lease = await self._slots(*args, arena_only=in_arena, **kwargs)
         slots = [
             pb.SlotRef(chunk_hash=h, offset=s.offset, length=s.length)
             for h, s in zip(request.chunk_hashes, lease.slots)
@@ -347,7 +347,9 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
 
     @_rpc
     async def Delete(self, request: Any, context: Any) -> pb.DeleteResponse:
-        num = await self._slots(self._cache.delete, request.namespace_id, request.chunk_hashes)
+        num = await self._slots(
+            self._cache.delete, request.namespace_id, request.chunk_hashes, arena_only=False
+        )
         return pb.DeleteResponse(num_deleted=num)
 
     @_rpc
