@@ -274,20 +274,29 @@ def drive_server(server: ServerProc, redis: RedisProc) -> None:
 
 
 def drive_vllm(live: Stack) -> None:
-    """A miss (stored into lmcache-svc), a local prefix hit, then an external hit."""
+    """A miss (stored into lmcache-svc), a local prefix hit, then external hits: one, and
+    another after Prometheus has scraped the series the first one may have created (a
+    series' first sample already holds it, so rate() would see no increase)."""
     assert live.vllm is not None
     stack.wait_http(live.vllm, "/health", VLLM_STARTUP_S)
     scraped_twice(live.prometheus, "vllm")
     stack.complete(live.vllm, live.model_dir, VLLM_PROMPT)
     stack.complete(live.vllm, live.model_dir, VLLM_PROMPT)
-    for _ in range(20):  # fails while blocks are still held; retry briefly
-        status, body = stack.http_post(f"{live.vllm.url}/reset_prefix_cache")
-        if status == 200 and b"true" in body:
-            break
-        time.sleep(0.25)
-    else:
-        raise AssertionError(f"reset_prefix_cache failed: {status} {body!r}")
+    reset_prefix_cache(live.vllm)
     stack.complete(live.vllm, live.model_dir, VLLM_PROMPT)
+    scraped_twice(live.prometheus, "vllm")
+    reset_prefix_cache(live.vllm)
+    stack.complete(live.vllm, live.model_dir, VLLM_PROMPT)
+
+
+def reset_prefix_cache(vllm: stack.Proc) -> None:
+    """Empty vLLM's own prefix cache, so the next request's prefix comes from lmcache-svc."""
+    for _ in range(20):  # fails while blocks are still held; retry briefly
+        status, body = stack.http_post(f"{vllm.url}/reset_prefix_cache")
+        if status == 200 and b"true" in body:
+            return
+        time.sleep(0.25)
+    raise AssertionError(f"reset_prefix_cache failed: {status} {body!r}")
 
 
 @pytest.fixture(scope="module")
