@@ -32,7 +32,7 @@ import time
 from collections import Counter
 from collections.abc import Sequence
 
-from lmcache_svc.chunk_index import ChunkIndex
+from lmcache_svc.chunk_index import ChunkIndex, Entry
 from lmcache_svc.errors import (
     InvalidArgument,
     PayloadTooLarge,
@@ -314,17 +314,60 @@ class TieredCache:
     def commit_store(
         self, namespace_id: bytes, chunk_hashes: Sequence[bytes], *, session_id: str | None = None
     ) -> int:
+        return self._commit_keys(self._keys(namespace_id, chunk_hashes), session_id)
+
+    def bind_store(
+        self,
+        namespace_id: bytes,
+        chunk_hashes: Sequence[bytes],
+        reserved_as: Sequence[bytes],
+        *,
+        session_id: str | None = None,
+    ) -> tuple[int, list[bytes]]:
+        """Commit pooled reservations under the chunks written into them: the slot reserved
+        for placeholder ``reserved_as[i]`` becomes chunk ``chunk_hashes[i]``. Returns (chunks
+        committed, placeholders still reserved): a placeholder whose chunk is stored or being
+        stored already stays its owner's, to be written again; one that is not the caller's
+        live reservation (expired, aborted, another session's) publishes nothing."""
+        if len(reserved_as) != len(chunk_hashes):
+            raise InvalidArgument(
+                f"{len(chunk_hashes)} chunk hashes but {len(reserved_as)} reserved_as hashes"
+            )
         keys = self._keys(namespace_id, chunk_hashes)
+        placeholders = self._keys(namespace_id, reserved_as)
+        bound: list[ChunkKey] = []
+        kept: list[bytes] = []
+        with self._lock:
+            for key, placeholder, raw in zip(keys, placeholders, reserved_as):
+                if self._live_reservation(placeholder, session_id) is None:
+                    continue
+                if self._index.busy(key) or self._lower.local_tier(key) is not None:
+                    kept.append(bytes(raw))
+                    continue
+                self._first_tier.rekey(placeholder, key)
+                bound.append(key)
+            # under the same hold: the reaper cannot expire a rekeyed reservation before
+            # its commit (it would stay quarantined under the chunk's own key)
+            return self._commit_keys(bound, session_id), kept
+
+    def _live_reservation(self, key: ChunkKey, owner: str | None) -> Entry | None:
+        """``owner``'s reservation of ``key`` while it may still be committed; one past its
+        deadline is freed (its slot may have been rewritten) and None returned. Lock held."""
+        entry = self._index.entry(key)
+        if entry is None or entry.ready or entry.doomed or entry.owner != owner:
+            return None
+        if entry.expired or entry.deadline <= time.monotonic():
+            if entry.pins == 0:
+                self._first_tier.free(key)
+            return None
+        return entry
+
+    def _commit_keys(self, keys: Sequence[ChunkKey], session_id: str | None) -> int:
         committed: list[ChunkKey] = []
-        now = time.monotonic()
         with self._lock:
             for key in keys:
-                entry = self._index.entry(key)
-                if entry is None or entry.ready or entry.doomed or entry.owner != session_id:
-                    continue
-                if entry.expired or entry.deadline <= now:  # its slot may have been rewritten
-                    if entry.pins == 0:
-                        self._first_tier.free(key)
+                entry = self._live_reservation(key, session_id)
+                if entry is None:
                     continue
                 self._index.mark_ready(key, entry)
                 self._index.touch(key)

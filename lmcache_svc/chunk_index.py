@@ -99,6 +99,18 @@ class ChunkIndex:
         self._pending.discard(key)
         self.settle(key, entry)
 
+    def rekey(self, old: ChunkKey, new: ChunkKey) -> Entry:
+        """Move a live reservation to another key (a pooled slot becomes the chunk written
+        into it): owner, deadline and slot are kept, ``new`` goes to the recent end."""
+        entry = self._items.get(old)
+        if entry is None or entry.ready or entry.expired or new in self._items:
+            raise RuntimeError(f"chunk {old.hex()}: only a live reservation can be rekeyed")
+        del self._items[old]
+        self._pending.discard(old)
+        self._items[new] = entry
+        self._pending.add(new)
+        return entry
+
     def quarantine(self, key: ChunkKey, entry: Entry) -> None:
         """An expired reservation: no longer pending, never committable, slot kept."""
         entry.expired = True

@@ -210,12 +210,18 @@ class CacheClient:
 
     # -- shared-memory path --------------------------------------------------------------
 
-    def prepare_store(self, namespace_id: bytes, chunk_hashes: Sequence[bytes]) -> list[StoreSlot]:
-        """Reserve slots; write each 'reserved' buffer, then ``commit_store`` those hashes."""
+    def prepare_store(
+        self, namespace_id: bytes, chunk_hashes: Sequence[bytes], *, ttl_s: float = 0.0
+    ) -> list[StoreSlot]:
+        """Reserve slots; write each 'reserved' buffer, then ``commit_store`` those hashes.
+        ``ttl_s``: how long the reservations last (0: the server's default)."""
         session, resp = self._session_call(
             "PrepareStore",
             lambda sid: pb.PrepareStoreRequest(
-                namespace_id=namespace_id, chunk_hashes=chunk_hashes, session_id=sid
+                namespace_id=namespace_id,
+                chunk_hashes=chunk_hashes,
+                session_id=sid,
+                ttl_ms=round(ttl_s * 1000),
             ),
         )
         return store_slots(resp, self._mapping_for(session, resp.segment_name))
@@ -234,6 +240,30 @@ class CacheClient:
             ),
         )
         return int(resp.num_committed)
+
+    def bind_store(
+        self, namespace_id: bytes, chunk_hashes: Sequence[bytes], reserved_as: Sequence[bytes]
+    ) -> tuple[int, list[bytes]]:
+        """Commit chunks written into pooled slots (``reserved_as[i]``: the placeholder hash
+        the slot holding ``chunk_hashes[i]`` was reserved for; see ``StorePool``). Returns
+        (chunks committed, placeholders still reserved because their chunk was stored)."""
+        session = self._live_session()
+        resp = self._ns_call(
+            "CommitStore",
+            pb.CommitStoreRequest(
+                namespace_id=namespace_id,
+                chunk_hashes=chunk_hashes,
+                session_id=session.session_id,
+                reserved_as=reserved_as,
+            ),
+        )
+        return int(resp.num_committed), [bytes(k) for k in resp.kept]
+
+    @property
+    def session_id(self) -> str | None:
+        """The open session's id (None before one is opened); a new one after a restart."""
+        session = self._session
+        return session.session_id if session is not None and session.alive else None
 
     def prepare_load(
         self, namespace_id: bytes, chunk_hashes: Sequence[bytes], *, verify: bool = False

@@ -157,6 +157,11 @@ class FirstTier:
         else:
             self._index.settle(key, entry)
 
+    def rekey(self, old: ChunkKey, new: ChunkKey) -> None:
+        """A pooled reservation becomes ``new``'s (caller holds the lock)."""
+        self._index.rekey(old, new)
+        self._tier.rename(old, new)
+
     def free(self, key: ChunkKey) -> None:
         """Drop a first-tier entry and its slot (caller holds the lock)."""
         self._clear_sum(self._index.remove(key))

@@ -31,6 +31,7 @@ import torch
 from lmcache_svc.arena import MADV_POPULATE_WRITE, SHM_DIR
 from lmcache_svc.client import CacheClient
 from lmcache_svc.keys import KVLayout, Namespace
+from lmcache_svc.store_pool import StorePool
 
 # 32 KiB per token like the LMCache side-by-side: fp16, 32 layers, 2 KV heads of 128, K and V.
 BENCH_LAYOUT = KVLayout("float16", 32, 2, 128, 16, "bench/opaque")
@@ -171,6 +172,46 @@ def time_shm_store(
         elapsed = time.perf_counter() - start
     if num_committed != sum(len(h) for h in requests):
         raise RuntimeError(f"only {num_committed} chunks committed")
+    return elapsed
+
+
+def time_shm_store_pooled(
+    client: CacheClient, ns_id: bytes, requests: list[list[bytes]], bufs: Buffers
+) -> float:
+    """As the plugin's worker stores now: slots taken from a ``StorePool`` (reserved ahead,
+    refilled in the background), copies into them, the bind (``CommitStore`` with
+    ``reserved_as``) on an I/O thread; a ``prepare_store`` only for slots the pool lacked.
+    The pool is filled once before the clock starts (the plugin's is, after its first
+    store); timed until every bind has returned."""
+    pool = StorePool(client, ns_id, max_slots=max(len(h) for h in requests))
+    pool.target = pool.max_slots
+    pool.refill()
+    num_expected = sum(len(h) for h in requests)
+    try:
+        with ThreadPoolExecutor(1, thread_name_prefix="bench-commit") as io:
+            commits: list[Future[int]] = []
+            io.submit(int).result()
+            start = time.perf_counter()
+            for i, hashes in enumerate(requests):
+                pooled = pool.take(len(hashes))
+                rest = hashes[len(pooled) :]
+                slots = [s.buffer for s in pooled]
+                if rest:
+                    prepared = client.prepare_store(ns_id, rest)
+                    if any(p.buffer is None for p in prepared):
+                        raise RuntimeError("prepare_store did not reserve every slot")
+                    slots += [p.buffer for p in prepared]  # type: ignore[misc]
+                for j, buffer in enumerate(slots):
+                    _slot(buffer).copy_(bufs.src[bufs.row(i, j, len(hashes))])
+                commits.append(io.submit(pool.bind, hashes[: len(pooled)], pooled))
+                if rest:
+                    commits.append(io.submit(client.commit_store, ns_id, rest))
+            num_committed = sum(f.result() for f in commits)
+            elapsed = time.perf_counter() - start
+    finally:
+        pool.close()
+    if num_committed != num_expected:
+        raise RuntimeError(f"only {num_committed} of {num_expected} chunks committed")
     return elapsed
 
 

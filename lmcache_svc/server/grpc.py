@@ -229,6 +229,18 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
     @_rpc
     async def CommitStore(self, request: Any, context: Any) -> pb.CommitStoreResponse:
         self._require_session(request.session_id, "CommitStore")
+        if request.reserved_as:
+            if request.abort:
+                raise InvalidArgument("abort pooled slots by their reserved_as hashes alone")
+            num, kept = await self._slots(
+                self._cache.bind_store,
+                request.namespace_id,
+                request.chunk_hashes,
+                request.reserved_as,
+                arena_only=True,
+                session_id=request.session_id,
+            )
+            return pb.CommitStoreResponse(num_committed=num, kept=kept)
         fn = self._cache.abort_store if request.abort else self._cache.commit_store
         num = await self._slots(
             fn,

@@ -187,6 +187,10 @@ class SlotTier(Tier):
     def slot_of(self, key: ChunkKey) -> Slot | None: ...
 
     @abstractmethod
+    def rename(self, old: ChunkKey, new: ChunkKey) -> None:
+        """Give ``old``'s slot to ``new`` (which has none); ``old`` has none after."""
+
+    @abstractmethod
     def view(self, slot: Slot) -> memoryview:
         """Writable view of exactly the slot's bytes in the server's own mapping."""
 

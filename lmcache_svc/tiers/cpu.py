@@ -73,6 +73,12 @@ class CpuTier(SlotTier):
                 self._slots[key] = self._packer.pack(slot)
         return slot
 
+    def rename(self, old: ChunkKey, new: ChunkKey) -> None:
+        with self._lock:
+            if new in self._slots:
+                raise RuntimeError(f"tier {self.name!r}: key {new.hex()} already has a slot")
+            self._slots[new] = self._slots.pop(old)
+
     def put(self, key: ChunkKey, data: Buffer) -> bool:
         """Store ``data``; when the arena is full, an old value of ``key`` is dropped first."""
         src = memoryview(data).cast("B")

@@ -145,22 +145,26 @@ class PrepareStoreResponse(_message.Message):
     def __init__(self, slots: _Optional[_Iterable[_Union[PreparedSlot, _Mapping]]] = ..., segment_name: _Optional[str] = ...) -> None: ...
 
 class CommitStoreRequest(_message.Message):
-    __slots__ = ("namespace_id", "chunk_hashes", "session_id", "abort")
+    __slots__ = ("namespace_id", "chunk_hashes", "session_id", "abort", "reserved_as")
     NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
     CHUNK_HASHES_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     ABORT_FIELD_NUMBER: _ClassVar[int]
+    RESERVED_AS_FIELD_NUMBER: _ClassVar[int]
     namespace_id: bytes
     chunk_hashes: _containers.RepeatedScalarFieldContainer[bytes]
     session_id: str
     abort: bool
-    def __init__(self, namespace_id: _Optional[bytes] = ..., chunk_hashes: _Optional[_Iterable[bytes]] = ..., session_id: _Optional[str] = ..., abort: _Optional[bool] = ...) -> None: ...
+    reserved_as: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, namespace_id: _Optional[bytes] = ..., chunk_hashes: _Optional[_Iterable[bytes]] = ..., session_id: _Optional[str] = ..., abort: _Optional[bool] = ..., reserved_as: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class CommitStoreResponse(_message.Message):
-    __slots__ = ("num_committed",)
+    __slots__ = ("num_committed", "kept")
     NUM_COMMITTED_FIELD_NUMBER: _ClassVar[int]
+    KEPT_FIELD_NUMBER: _ClassVar[int]
     num_committed: int
-    def __init__(self, num_committed: _Optional[int] = ...) -> None: ...
+    kept: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, num_committed: _Optional[int] = ..., kept: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class PrepareLoadRequest(_message.Message):
     __slots__ = ("namespace_id", "chunk_hashes", "session_id", "ttl_ms", "verify")

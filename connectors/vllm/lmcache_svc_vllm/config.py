@@ -48,6 +48,10 @@ class ConnectorConfig:
     use_shm: bool = True
     """Move bytes through the server's shared segment when it is mapped here; ``false``
     (or another host) streams them inline over gRPC instead."""
+    store_pool_chunks: int = 64
+    """Most shared-memory slots the worker keeps reserved ahead of its stores (it keeps as
+    many as its largest store so far needed), so a store copies without waiting for a
+    reservation; they count against the session's reservation limit. 0: no pool."""
     auth_token: str | None = None
     """Bearer token for a server started with auth; default: $LMCACHE_SVC_AUTH_TOKEN."""
     keep_load_failure_policy: bool = False
@@ -57,6 +61,8 @@ class ConnectorConfig:
     def __post_init__(self) -> None:
         _check_positive("chunk_size", self.chunk_size)
         _check_positive("async_load_min_tokens", self.async_load_min_tokens)
+        if self.store_pool_chunks < 0:
+            raise ConfigError(f"store_pool_chunks must be >= 0, got {self.store_pool_chunks!r}")
         for name in ("lookup_timeout_ms", "rpc_timeout_ms"):
             _check_positive(name, getattr(self, name))
         if self.lookup_wait_ms < 0:
@@ -84,7 +90,7 @@ class ConnectorConfig:
 
 
 _FLOAT_FIELDS = {"lookup_timeout_ms", "lookup_wait_ms", "rpc_timeout_ms", "retry_interval_s"}
-_INT_FIELDS = {"chunk_size", "async_load_min_tokens"}
+_INT_FIELDS = {"chunk_size", "async_load_min_tokens", "store_pool_chunks"}
 _BOOL_FIELDS = {"use_shm", "keep_load_failure_policy"}
 
 

@@ -18,12 +18,13 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TypeVar
 
 from lmcache_svc.client import CacheClient, LoadLease, LookupResult
 from lmcache_svc.errors import LMCacheSvcError, ServerUnavailable
 from lmcache_svc.keys import Namespace, NamespaceId
+from lmcache_svc.store_pool import PooledSlot, StorePool
 from lmcache_svc_vllm.config import ConnectorConfig
 
 logger = logging.getLogger(f"vllm.{__name__}")
@@ -33,11 +34,13 @@ MAX_RETRY_INTERVAL_S = 30.0
 
 @dataclass(slots=True)
 class Reservation:
-    """Writable chunk buffers for a store; ``hashes[i]`` is written into ``buffers[i]``."""
+    """Writable chunk buffers for a store; ``hashes[i]`` is written into ``buffers[i]``.
+    The first ``len(pooled)`` buffers are slots taken from the store pool."""
 
     hashes: list[bytes]
     buffers: list[memoryview]
     inline: bool
+    pooled: list[PooledSlot] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -68,6 +71,7 @@ class ServerLink:
         self._shm_mapped = False  # the segment was mapped here once: same host, use it
         self._warned: dict[str, float] = {}
         self._lock = threading.Lock()
+        self._pool: StorePool | None = None
 
     # -- guarded calls -------------------------------------------------------------------
 
@@ -159,14 +163,40 @@ class ServerLink:
             return Reservation(
                 list(hashes), [memoryview(bytearray(chunk_bytes)) for _ in hashes], True
             )
-        slots = self._guarded("prepare_store", lambda ns: self._client.prepare_store(ns, hashes))
+        pool = self._store_pool()
+        pooled = pool.take(len(hashes)) if pool is not None else []
+        rest = hashes[len(pooled) :]
+        slots = (
+            self._guarded("prepare_store", lambda ns: self._client.prepare_store(ns, rest))
+            if rest
+            else []
+        )
         if slots is None:
-            return None
+            slots = []
+            if not pooled:
+                return None
         wanted = [s for s in slots if s.status == "reserved" and s.buffer is not None]
-        return Reservation([s.chunk_hash for s in wanted], [s.buffer for s in wanted], False)  # type: ignore[misc]
+        return Reservation(
+            [*hashes[: len(pooled)], *(s.chunk_hash for s in wanted)],
+            [*(p.buffer for p in pooled), *(s.buffer for s in wanted)],  # type: ignore[misc]
+            False,
+            pooled,
+        )
+
+    def _store_pool(self) -> StorePool | None:
+        """The pool of slots reserved ahead (created once the namespace is registered)."""
+        if self.config.store_pool_chunks == 0:
+            return None
+        with self._lock:
+            if self._pool is None and self._namespace_id is not None:
+                self._pool = StorePool(
+                    self._client, self._namespace_id, max_slots=self.config.store_pool_chunks
+                )
+            return self._pool
 
     def publish(self, reservation: Reservation, *, abort: bool = False) -> int:
-        """Commit (or give back) a reservation's chunks; returns the chunks now stored."""
+        """Commit (or give back) a reservation's chunks; returns the chunks now stored.
+        Pooled slots are bound to their chunks (or, on abort, go back to the pool)."""
         if not reservation.hashes:
             return 0
         if reservation.inline:
@@ -174,12 +204,26 @@ class ServerLink:
                 return 0
             items = list(zip(reservation.hashes, reservation.buffers))
             stored = self._guarded("put", lambda ns: self._client.put(ns, items))
-        else:
-            stored = self._guarded(
+            return stored or 0
+        num_pooled = len(reservation.pooled)
+        pooled_hashes, prepared = reservation.hashes[:num_pooled], reservation.hashes[num_pooled:]
+        stored = 0
+        if num_pooled and self._pool is not None:
+            if abort:
+                self._pool.abort(reservation.pooled)
+            else:
+                pool = self._pool
+                bound = self._guarded(
+                    "commit_store", lambda ns: pool.bind(pooled_hashes, reservation.pooled)
+                )
+                stored += bound or 0
+        if prepared:
+            committed = self._guarded(
                 "commit_store",
-                lambda ns: self._client.commit_store(ns, reservation.hashes, abort=abort),
+                lambda ns: self._client.commit_store(ns, prepared, abort=abort),
             )
-        return stored or 0
+            stored += committed or 0
+        return stored
 
     # -- worker side: loads --------------------------------------------------------------
 
@@ -225,7 +269,10 @@ class ServerLink:
         return mapped
 
     def close(self) -> None:
+        pool, self._pool = self._pool, None
         try:
+            if pool is not None:
+                pool.close()  # gives its slots back while the session is still open
             self._client.close()
         except Exception:  # shutting down: nothing useful to do with it
             logger.debug("closing the lmcache-svc client failed", exc_info=True)
