@@ -181,8 +181,9 @@ class StorePool:
         with self._lock:
             stale = [s for s in self._slots if s.session_id != session_id or s.use_by <= now]
             if stale:
-                self._slots = deque(s for s in self._slots if s.session_id == session_id
-                                    and s.use_by > now)
+                self._slots = deque(
+                    s for s in self._slots if s.session_id == session_id and s.use_by > now
+                )
         return [s for s in stale if s.session_id == session_id]  # others died with theirs
 
     def _abort_quietly(self, slots: Sequence[PooledSlot]) -> None:

@@ -55,9 +55,7 @@ def test_pooled_slots_become_the_chunks_written_into_them(serve) -> None:
         for slot, name in zip(slots, names):
             slot.buffer[:] = make_chunk(name)
         assert pool.bind([make_hash(n) for n in names], slots) == 2
-        assert client.load(NS_ID, [make_hash(n) for n in names]) == [
-            make_chunk(n) for n in names
-        ]
+        assert client.load(NS_ID, [make_hash(n) for n in names]) == [make_chunk(n) for n in names]
         # the placeholders are gone: nothing of theirs can be looked up or committed
         assert client.lookup(NS_ID, [s.placeholder for s in slots]).num_hit_chunks == 0
         assert client.commit_store(NS_ID, [s.placeholder for s in slots]) == 0
