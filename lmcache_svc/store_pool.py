@@ -11,7 +11,7 @@ and that the chunk is not stored or being stored already (else the placeholder s
 reserved and comes back to the pool).
 
 The pool holds as many slots as the largest store taken from it asked for (at most
-``max_slots``), refilled on a background thread after each take; a slot is used only in
+``max_slots``), refilled on a background thread after each store the server answered; a slot is used only in
 the first half of its reservation's lifetime, older ones are aborted at the next refill.
 Only one client thread takes and binds at a time in the plugin, but every method is
 thread-safe.
@@ -78,8 +78,9 @@ class StorePool:
     # -- stores ----------------------------------------------------------------------------
 
     def take(self, num: int) -> list[PooledSlot]:
-        """Up to ``num`` slots of the open session, at once (no call to the server); the
-        pool is refilled in the background."""
+        """Up to ``num`` slots of the open session, at once (no call to the server). The
+        pool is refilled in the background after a bind (or ``refill_soon``): only once the
+        server has answered, so a server that is down is not asked by the pool too."""
         session_id = self._client.session_id
         now = time.monotonic()
         out: list[PooledSlot] = []
@@ -90,9 +91,8 @@ class StorePool:
                 if slot.session_id == session_id and slot.use_by > now:
                     out.append(slot)
                 else:
-                    self._slots.append(slot)  # stale: aborted by the refill
+                    self._slots.append(slot)  # stale: aborted by the next refill
                     break
-        self.refill_soon()
         return out
 
     def bind(self, chunk_hashes: Sequence[bytes], slots: Sequence[PooledSlot]) -> int:
@@ -103,6 +103,7 @@ class StorePool:
         num, kept = self._client.bind_store(
             self._namespace_id, chunk_hashes, [s.placeholder for s in slots]
         )
+        self.refill_soon()  # the server answered: top the pool up
         if kept:
             by_placeholder = {s.placeholder: s for s in slots}
             self._give_back([by_placeholder[k] for k in kept if k in by_placeholder])

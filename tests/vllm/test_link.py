@@ -93,3 +93,52 @@ def _count_calls(
         return real(*args, **kwargs)
 
     monkeypatch.setattr(client, name, counted)
+
+
+def test_stores_after_the_first_take_slots_reserved_ahead(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The first store reserves its slots (the pool is empty); once the server answered
+    its commit the pool holds as many slots, and the next store copies into them without
+    a prepare round trip; the pool's slots go back when the link closes."""
+    server = start_server(tmp_path)
+    link = ServerLink(ConnectorConfig(url=server.socket), NAMESPACE, "link-test")
+    try:
+        first = _reserve_when_up(link)
+        assert first.pooled == [] and len(first.hashes) == 2
+        for buffer in first.buffers:
+            buffer[:] = b"\x01" * len(buffer)
+        assert link.publish(first) == 2
+        pool = link._pool
+        assert pool is not None
+        deadline = time.monotonic() + 20
+        while pool.num_slots < 2:
+            assert time.monotonic() < deadline, "the pool was not refilled"
+            time.sleep(0.01)
+
+        tries = {"prepare_store": 0}
+        _count_calls(monkeypatch, link._client, "prepare_store", tries)
+        hashes = chunk_hashes(NAMESPACE, list(range(5000, 5000 + 2 * 256)))
+        second = link.reserve(hashes, NAMESPACE.chunk_bytes)
+        assert second is not None and len(second.pooled) == 2
+        assert tries["prepare_store"] == 0, "a store waited for a reservation"
+        payloads = [bytes([i + 7]) * len(b) for i, b in enumerate(second.buffers)]
+        for buffer, data in zip(second.buffers, payloads):
+            buffer[:] = data
+        assert link.publish(second) == 2
+        acquired = link.acquire(hashes)
+        assert acquired is not None
+        assert [bytes(b) for b in acquired.buffers] == payloads
+        link.release(acquired)
+    finally:
+        link.close()
+    try:
+        from lmcache_svc.client import CacheClient
+
+        with CacheClient(server.socket) as client:
+            deadline = time.monotonic() + 20
+            while client.stats()["pending_stores"]:
+                assert time.monotonic() < deadline, "pooled slots outlived the link"
+                time.sleep(0.05)
+    finally:
+        server.cleanup()

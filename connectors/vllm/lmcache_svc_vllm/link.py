@@ -223,6 +223,8 @@ class ServerLink:
                 lambda ns: self._client.commit_store(ns, prepared, abort=abort),
             )
             stored += committed or 0
+            if committed is not None and not abort and self._pool is not None:
+                self._pool.refill_soon()  # the server answered: fill the pool for next time
         return stored
 
     # -- worker side: loads --------------------------------------------------------------
