@@ -11,10 +11,9 @@ and that the chunk is not stored or being stored already (else the placeholder s
 reserved and comes back to the pool).
 
 The pool holds as many slots as the largest store taken from it asked for (at most
-``max_slots``), refilled on a background thread after each store the server answered; a slot is used only in
-the first half of its reservation's lifetime, older ones are aborted at the next refill.
-Only one client thread takes and binds at a time in the plugin, but every method is
-thread-safe.
+``max_slots``), refilled on a background thread after each store the server answered (so a
+server that is down is not asked by the pool too). A slot is used only in the first half
+of its reservation's lifetime; older ones are aborted at the next refill. Thread-safe.
 """
 
 from __future__ import annotations

@@ -20,6 +20,7 @@ from lmcache_svc_vllm.config import ConnectorConfig
 from lmcache_svc_vllm.link import Reservation, ServerLink
 
 from lmcache_svc.bench.procs import start_server
+from lmcache_svc.client import CacheClient
 from lmcache_svc.keys import KVLayout, Namespace, chunk_hashes
 
 NAMESPACE = Namespace(
@@ -133,8 +134,6 @@ def test_stores_after_the_first_take_slots_reserved_ahead(
     finally:
         link.close()
     try:
-        from lmcache_svc.client import CacheClient
-
         with CacheClient(server.socket) as client:
             deadline = time.monotonic() + 20
             while client.stats()["pending_stores"]:
