@@ -175,10 +175,10 @@ class ServerLink:
             slots = []
             if not pooled:
                 return None
-        wanted = [s for s in slots if s.status == "reserved" and s.buffer is not None]
+        wanted = [(s.chunk_hash, s.buffer) for s in slots if s.status == "reserved" and s.buffer]
         return Reservation(
-            [*hashes[: len(pooled)], *(s.chunk_hash for s in wanted)],
-            [*(p.buffer for p in pooled), *(s.buffer for s in wanted)],  # type: ignore[misc]
+            [*hashes[: len(pooled)], *(h for h, _ in wanted)],
+            [*(p.buffer for p in pooled), *(b for _, b in wanted)],
             False,
             pooled,
         )
