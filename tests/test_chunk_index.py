@@ -7,10 +7,7 @@ import pytest
 from lmcache_svc.chunk_index import ChunkIndex
 from lmcache_svc.keys import ChunkKey
 from lmcache_svc.tiers.base import Slot
-
-
-def make_key(i: int) -> ChunkKey:
-    return ChunkKey(bytes([i]) * 48)
+from tests.helpers import make_key
 
 
 def make_index() -> tuple[ChunkIndex, dict[ChunkKey, Slot]]:

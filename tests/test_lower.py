@@ -7,7 +7,6 @@ accounting and Redis's own keys are then compared.
 
 from __future__ import annotations
 
-import hashlib
 import uuid
 from collections.abc import Callable, Iterator
 
@@ -20,18 +19,10 @@ from lmcache_svc.lower import LowerTiers
 from lmcache_svc.metrics import Metrics
 from lmcache_svc.policy import TierPolicy
 from lmcache_svc.tiers.redis import HEADER, RedisTier
+from tests.helpers import make_chunk, make_key
 
 CHUNK = 4096
 BAD = {2, 5}
-
-
-def make_key(i: int) -> ChunkKey:
-    """Key ``i`` starts with the hex digits of ``i`` (so an ACL pattern can pick it)."""
-    return ChunkKey(bytes([i]) + hashlib.sha384(f"chunk-{i}".encode()).digest()[1:])
-
-
-def make_chunk(i: int) -> bytes:
-    return hashlib.sha256(f"payload-{i}".encode()).digest() * (CHUNK // 32)
 
 
 class Restricted:
