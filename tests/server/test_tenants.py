@@ -1,6 +1,6 @@
 """Per-tenant credentials: the tokens file, its reload, and tenant walls on REST and gRPC.
 
-REST runs the app in uvicorn in a thread (``test_http``'s ``serve``); gRPC a real server
+REST runs the app in uvicorn in a thread (the ``serve_http`` fixture); gRPC a real server
 process (``bench.procs.start_server``) given the tokens file through the environment.
 """
 
@@ -27,11 +27,8 @@ from lmcache_svc.errors import ConfigError, Unauthenticated
 from lmcache_svc.keys import Namespace, chunk_hashes
 from lmcache_svc.server.tokens import RECHECK_S, Authenticator, read_tokens_file
 from tests.helpers import make_chunk, make_namespace
-from tests.server.test_http import (  # noqa: F401 (serve is a fixture)
-    Served,
-    assert_error,
-    serve,
-)
+from tests.server.rest import Served
+from tests.server.test_http import assert_error
 
 ACME = "acme-token-00000001"
 ACME_READER = "acme-reader-0000001"
@@ -174,8 +171,8 @@ def test_namespace_ids_of_different_tenants_never_collide() -> None:
 
 
 @pytest.fixture
-def rest(serve: Callable[..., Served], tokens_file: Path) -> Served:  # noqa: F811
-    return serve(auth=Authenticator(tokens_file=tokens_file))
+def rest(serve_http: Callable[..., Served], tokens_file: Path) -> Served:
+    return serve_http(auth=Authenticator(tokens_file=tokens_file))
 
 
 def _register(c: httpx.Client, ns: Namespace, token: str) -> str:
