@@ -257,10 +257,6 @@ def make_chunk_keys(namespace_id: bytes, chunk_hashes: Sequence[bytes]) -> list[
     return cast("list[ChunkKey]", keys)
 
 
-def split_chunk_key(key: ChunkKey) -> tuple[NamespaceId, ChunkHash]:
-    return NamespaceId(key[:NAMESPACE_ID_BYTES]), ChunkHash(key[NAMESPACE_ID_BYTES:])
-
-
 def check_chunk_hash(value: bytes) -> ChunkHash:
     """Validate a raw chunk hash from the wire."""
     if not isinstance(value, (bytes, bytearray)) or len(value) != CHUNK_HASH_BYTES:

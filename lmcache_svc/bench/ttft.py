@@ -28,7 +28,6 @@ from pathlib import Path
 from lmcache_svc.bench.procs import start_server
 from lmcache_svc.bench.report import Report
 from lmcache_svc.bench.runner import BenchContext
-from lmcache_svc.bench.stats import median
 from lmcache_svc.bench.vllm.engines import example_connector_config
 from lmcache_svc.bench.vllm_common import (
     MAX_MODEL_LEN,
@@ -39,7 +38,6 @@ from lmcache_svc.bench.vllm_common import (
     shape_named,
 )
 from lmcache_svc.bench.vllm_ttft import (
-    Cell,
     Results,
     Setup,
     Workload,
@@ -164,7 +162,3 @@ def _run_strategies(
     finally:
         shutil.rmtree(storage_dir, ignore_errors=True)
     return results
-
-
-def median_ttft(results: Results, cell: Cell) -> float:
-    return median([s.ttft_s for s in results[cell]])
