@@ -317,45 +317,32 @@ def test_concurrent_clients_with_a_small_arena(tmp_path: Path) -> None:
     assert peaks and max(peaks) <= capacity
 
 
+def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    """``lmcache-svc *args`` in a fresh interpreter, its output captured."""
+    return subprocess.run(
+        [sys.executable, "-m", "lmcache_svc", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+    )
+
+
 def test_bad_config_exits_with_a_clear_message(tmp_path: Path) -> None:
     bad = tmp_path / "bad.yaml"
     bad.write_text("cpu:\n  capacity: lots\ncache:\n  low_watermark: 0.99\n")
-    out = subprocess.run(
-        [sys.executable, "-m", "lmcache_svc", "serve", "--config", str(bad)],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        cwd=ROOT,
-    )
+    out = run_cli("serve", "--config", str(bad))
     assert out.returncode == 2
     assert "cpu.capacity" in out.stderr and "low_watermark" in out.stderr
-    exposed = subprocess.run(
-        [sys.executable, "-m", "lmcache_svc", "serve", "--host", "0.0.0.0"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        cwd=ROOT,
-    )
+    exposed = run_cli("serve", "--host", "0.0.0.0")
     assert exposed.returncode == 2 and "auth_token" in exposed.stderr
 
 
 def test_stats_command(server: ServerProc) -> None:
-    out = subprocess.run(
-        [sys.executable, "-m", "lmcache_svc", "stats", "--url", server.socket],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        cwd=ROOT,
-    )
+    out = run_cli("stats", "--url", server.socket)
     assert out.returncode == 0, out.stderr
     assert "cpu" in out.stdout and "256.0 MiB" in out.stdout
-    down = subprocess.run(
-        [sys.executable, "-m", "lmcache_svc", "stats", "--url", "/tmp/nope.sock", "--timeout", "1"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        cwd=ROOT,
-    )
+    down = run_cli("stats", "--url", "/tmp/nope.sock", "--timeout", "1")
     assert down.returncode == 1 and "unavailable" in down.stderr
 
 
