@@ -22,6 +22,7 @@ import shutil
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -382,9 +383,22 @@ def test_template_variables_find_their_values(board: dict[str, Any], driven: Sta
 
 
 def test_alert_rules_evaluate(driven: Stack) -> None:
-    time.sleep(2)  # at least one evaluation after the traffic
-    groups = stack.api(driven.prometheus, "/api/v1/rules")["data"]["groups"]
-    rules = [r for g in groups for r in g["rules"]]
+    # a scrape after the traffic, then an evaluation of every rule after that scrape
+    wait_for(driven.prometheus, f'timestamp(up{{job="lmcache-svc"}}) > {time.time()}', 30)
+    rules = rules_evaluated_after(driven.prometheus, time.time())
     assert len(rules) == 5
     assert all(r["health"] == "ok" for r in rules), [(r["name"], r.get("lastError")) for r in rules]
     assert {r["name"]: r["state"] for r in rules}["LMCacheSvcDown"] == "inactive"
+
+
+def rules_evaluated_after(prometheus: stack.Proc, since: float) -> list[dict[str, Any]]:
+    """The alert rules, once Prometheus has evaluated every one after ``since`` (Unix time)."""
+    deadline = time.monotonic() + 30
+    while True:
+        groups = stack.api(prometheus, "/api/v1/rules")["data"]["groups"]
+        rules: list[dict[str, Any]] = [r for g in groups for r in g["rules"]]
+        evaluated = [datetime.fromisoformat(r["lastEvaluation"]).timestamp() for r in rules]
+        if rules and min(evaluated) > since:
+            return rules
+        assert time.monotonic() < deadline, f"not every rule was evaluated after {since}: {rules}"
+        time.sleep(0.25)
