@@ -74,3 +74,12 @@ def test_quick_mode(tmp_path: Path) -> None:
         "lookup p99 server-side",
         "lookup p99 round trip over the Unix socket",
     ]
+    # each target is the worst p99 over the prompt shapes at the largest index, from the table
+    largest = [row for row in table.rows if row[0] == "20,000"]
+    server_side, round_trip = report.targets
+    assert server_side.value == max(row[4] for row in largest if row[1] == SERVER_ROW)
+    socket_p99 = max(row[4] for row in largest if row[1] == "unix socket round trip")
+    assert round_trip.value == socket_p99
+    assert (server_side.goal, round_trip.goal) == (1.0, 2.0)
+    assert server_side.why_missed.startswith("its on-CPU p99 is ")
+    assert round_trip.why_missed.startswith("a bare gRPC health check on the same channel")
