@@ -22,16 +22,9 @@ from lmcache_svc.keys import (
     parse_chunk_hash,
     parse_namespace_id,
 )
-from tests.helpers import make_layout, make_namespace
+from tests.helpers import make_namespace
 
-GOLDEN_LAYOUT = make_layout(
-    dtype="bfloat16",
-    num_layers=4,
-    num_kv_heads=2,
-    head_size=64,
-    block_size=128,
-    page_layout="vllm-cpu/HNC",
-)
+GOLDEN_LAYOUT = KVLayout("bfloat16", 4, 2, 64, 128, "vllm-cpu/HNC")  # layers, kv heads, head, block
 
 
 def golden_namespace(**overrides: object) -> Namespace:
