@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from lmcache_svc.chunk_index import ChunkIndex
+from lmcache_svc.cache.chunk_index import ChunkIndex
 from lmcache_svc.keys import ChunkKey
 from lmcache_svc.tiers.base import Slot
 

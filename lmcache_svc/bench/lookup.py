@@ -42,9 +42,9 @@ from lmcache_svc.bench.report import Report
 from lmcache_svc.bench.runner import BenchContext
 from lmcache_svc.bench.stats import ms, percentile
 from lmcache_svc.cache import TieredCache
+from lmcache_svc.cache.values import CacheSettings
 from lmcache_svc.client import CacheClient
 from lmcache_svc.keys import KVLayout, Namespace, make_chunk_key
-from lmcache_svc.policy import CacheSettings
 from lmcache_svc.rpc import grpc_target
 from lmcache_svc.slab import ALIGN
 from lmcache_svc.tiers.cpu import CpuTier

@@ -21,22 +21,22 @@ import logging
 import threading
 from collections.abc import Sequence
 
+from lmcache_svc.cache.chunk_index import ChunkIndex
+from lmcache_svc.cache.lower_tier_manager import LowerTierManager, LowerTierState
 from lmcache_svc.checksums import SlotChecksums, checksum
-from lmcache_svc.chunk_index import ChunkIndex
 from lmcache_svc.keys import ChunkKey
-from lmcache_svc.lower import LowerTier, LowerTiers
 from lmcache_svc.metrics import Metrics
 from lmcache_svc.tiers.base import Slot, SlotTier
 
 log = logging.getLogger(__name__)
 
 
-class FirstTier:
+class FirstTierManager:
     def __init__(
         self,
         tier: SlotTier,
         index: ChunkIndex,
-        lower: LowerTiers,
+        lower: LowerTierManager,
         lock: threading.RLock,
         metrics: Metrics,
         *,
@@ -90,7 +90,7 @@ class FirstTier:
                 (i for i, k in enumerate(keys) if self._index.busy(k)),
                 len(keys),
             )
-        reserved: list[tuple[ChunkKey, LowerTier, memoryview]] = []
+        reserved: list[tuple[ChunkKey, LowerTierState, memoryview]] = []
         for key, source in zip(keys, self._lower.sources(keys[:num])):
             slot = self.allocate(key, nbytes, owner="promotion", deadline=float("inf"))
             if slot is None:

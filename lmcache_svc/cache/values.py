@@ -1,4 +1,5 @@
-"""Plain values that configure and describe the tiered cache (no behaviour here)."""
+"""Plain values that configure and describe the tiered cache: its settings, a lower tier's
+policy, and the results of its calls (no behaviour here)."""
 
 from __future__ import annotations
 

@@ -19,11 +19,11 @@ import uvicorn
 
 from lmcache_svc.arena import Arena, remove_orphan_segments
 from lmcache_svc.cache import TieredCache
+from lmcache_svc.cache.values import CacheSettings, TierPolicy
 from lmcache_svc.config import Config
 from lmcache_svc.errors import ConfigError
 from lmcache_svc.memories.store import MemoryStore
 from lmcache_svc.metrics import Metrics
-from lmcache_svc.policy import CacheSettings, TierPolicy
 from lmcache_svc.server.grpc import build_grpc_server, set_serving
 from lmcache_svc.server.grpc_memories import add_memory_service
 from lmcache_svc.server.http import create_app

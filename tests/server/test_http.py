@@ -22,6 +22,7 @@ import pytest
 
 from lmcache_svc.arena import Arena
 from lmcache_svc.cache import TieredCache
+from lmcache_svc.cache.values import CacheSettings
 from lmcache_svc.errors import (
     ConfigError,
     Corrupted,
@@ -36,7 +37,6 @@ from lmcache_svc.errors import (
     UnknownNamespace,
 )
 from lmcache_svc.keys import KVLayout, Namespace, chunk_hashes
-from lmcache_svc.policy import CacheSettings
 from lmcache_svc.server.auth import check_bearer
 from lmcache_svc.server.http import create_app, make_uvicorn_server
 from lmcache_svc.server.status import grpc_code, http_status

@@ -20,9 +20,9 @@ from lmcache_svc import errors
 from lmcache_svc.arena import Arena
 from lmcache_svc.bench.procs import ServerProc, start_server
 from lmcache_svc.cache import TieredCache
+from lmcache_svc.cache.values import CacheSettings
 from lmcache_svc.client import CacheClient
 from lmcache_svc.keys import MAX_FIELD_VALUE, KVLayout, Namespace, chunk_hashes
-from lmcache_svc.policy import CacheSettings
 from lmcache_svc.server.grpc import build_grpc_server
 from lmcache_svc.server.http import create_app, make_uvicorn_server
 from lmcache_svc.tiers.cpu import CpuTier
