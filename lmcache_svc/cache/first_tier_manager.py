@@ -69,15 +69,14 @@ class FirstTierManager:
         with self._lock:
             victims = self._index.least_recent_at_rest(nbytes)
             for key, _ in victims:
-                self._index.remove(key)
-                self._index.detached.add(key)
+                self._index.detach(key)
         for key, slot in victims:
             view = self._tier.view(slot)
             if self._intact(key, slot, view):
                 self._lower.demote(key, view)
         with self._lock:
             for key, slot in victims:
-                self._index.detached.discard(key)
+                self._index.release_detached(key)
                 self._clear_sum(slot)
                 self._tier.delete(key)
         self._metrics.evictions.labels(tier=self._tier.name).inc(len(victims))
@@ -116,7 +115,7 @@ class FirstTierManager:
                 if entry is None:
                     raise RuntimeError(f"promoted chunk {key.hex()} lost its reservation")
                 if contiguous:  # later chunks stay promoted, but only a prefix is leased
-                    entry.pins += 1
+                    self._index.pin(key)
                     pinned.append(key)
                     sources.append(source.tier.name)
                 self._index.mark_ready(key, entry)
@@ -148,14 +147,8 @@ class FirstTierManager:
 
     def unpin(self, key: ChunkKey) -> None:
         """Drop one pin, freeing a chunk deleted while pinned (caller holds the lock)."""
-        entry = self._index.entry(key)
-        if entry is None or entry.pins <= 0:
-            raise RuntimeError(f"unpin of chunk {key.hex()} that is not pinned")
-        entry.pins -= 1
-        if entry.pins == 0 and entry.doomed:
+        if self._index.unpin(key):
             self.free(key)
-        else:
-            self._index.settle(key, entry)
 
     def free(self, key: ChunkKey) -> None:
         """Drop a first-tier entry and its slot (caller holds the lock)."""
@@ -203,9 +196,7 @@ class FirstTierManager:
         self._metrics.tier_errors.labels(tier=self._tier.name, kind="corrupted").inc()
         if condemn:
             with self._lock:
-                entry = self._index.entry(key)
-                if entry is not None:
-                    entry.doomed = True
+                self._index.doom(key)
         return False
 
     def _clear_sum(self, slot: Slot) -> None:

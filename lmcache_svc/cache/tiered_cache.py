@@ -87,7 +87,7 @@ class TieredCache:
         self._first = first
         self._lower = LowerTierManager(lower, self.metrics)
         self._lock = threading.RLock()
-        self._index = ChunkIndex(first.slot_of)
+        self._index = ChunkIndex(first.slot_of, self._lock)
         self._first_tier = FirstTierManager(
             first,
             self._index,
@@ -397,7 +397,7 @@ class TieredCache:
                 return False
             if entry.deadline <= now:
                 return False
-            entry.deadline = max(entry.deadline, deadline)
+            self._index.extend_deadline(key, deadline)
             return True
 
     # -- load ------------------------------------------------------------------------------
@@ -491,7 +491,7 @@ class TieredCache:
                     found = True
                     entry = self._index.entry(key)
                     if entry is not None and entry.pins:
-                        entry.doomed = True
+                        self._index.doom(key)
                     else:
                         self._first_tier.free(key)
             num += self._lower.delete(key) or found
