@@ -12,7 +12,8 @@ import pytest
 
 from lmcache_svc.arena import Arena
 from lmcache_svc.cache import TieredCache
-from lmcache_svc.cache.values import CacheSettings, TierPolicy
+from lmcache_svc.cache.settings import CacheSettings
+from lmcache_svc.cache.values import TierPolicy
 from lmcache_svc.errors import InvalidArgument, PayloadTooLarge, SizeMismatch, UnknownNamespace
 from lmcache_svc.keys import KVLayout, Namespace, make_chunk_keys
 from lmcache_svc.tiers.cpu import CpuTier

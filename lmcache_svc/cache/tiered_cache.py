@@ -39,8 +39,8 @@ from lmcache_svc.cache.chunk_index import ChunkIndex
 from lmcache_svc.cache.first_tier_manager import FirstTierManager
 from lmcache_svc.cache.lower_tier_manager import LowerTierManager
 from lmcache_svc.cache.sessions import Sessions
+from lmcache_svc.cache.settings import CacheSettings
 from lmcache_svc.cache.values import (
-    CacheSettings,
     CacheStats,
     LeasedSlots,
     LookupResult,

@@ -19,7 +19,8 @@ import uvicorn
 
 from lmcache_svc.arena import Arena, remove_orphan_segments
 from lmcache_svc.cache import TieredCache
-from lmcache_svc.cache.values import CacheSettings, TierPolicy
+from lmcache_svc.cache.settings import CacheSettings
+from lmcache_svc.cache.values import TierPolicy
 from lmcache_svc.config import Config
 from lmcache_svc.errors import ConfigError
 from lmcache_svc.memories.store import MemoryStore
@@ -79,20 +80,7 @@ def build_cache(config: Config) -> TieredCache:
         for made, _ in lower:
             made.close()
         raise
-    k = config.cache
-    settings = CacheSettings(
-        high_watermark=k.high_watermark,
-        low_watermark=k.low_watermark,
-        lease_ttl_s=k.lease_ttl_s,
-        max_lease_ttl_s=k.max_lease_ttl_s,
-        reservation_ttl_s=k.reservation_ttl_s,
-        max_reservation_ttl_s=k.max_reservation_ttl_s,
-        max_reserved_fraction=k.max_reserved_fraction,
-        max_chunks_per_request=k.max_chunks_per_request,
-        max_namespaces=k.max_namespaces,
-        max_chunk_bytes=int(config.max_body_bytes),
-        checksums=k.checksums,
-    )
+    settings = CacheSettings.from_config(config)
     return TieredCache(CpuTier(arena), lower, settings=settings, metrics=Metrics())
 
 

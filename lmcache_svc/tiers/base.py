@@ -2,8 +2,8 @@
 
 A tier is a storage medium for chunk bytes, one object in the cache's ordered list (fastest
 first). A tier enforces its own capacity (``put`` answers ``False`` rather than exceed it) but
-knows nothing of eviction order, demotion or leases: that policy lives in the ``cache`` package, which
-never branches on which tier it is talking to.
+knows nothing of eviction order, demotion or leases: that policy lives in the ``cache``
+package, which never branches on which tier it is talking to.
 
 Two kinds:
 

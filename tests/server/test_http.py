@@ -22,7 +22,7 @@ import pytest
 
 from lmcache_svc.arena import Arena
 from lmcache_svc.cache import TieredCache
-from lmcache_svc.cache.values import CacheSettings
+from lmcache_svc.cache.settings import CacheSettings
 from lmcache_svc.errors import (
     ConfigError,
     Corrupted,
