@@ -114,6 +114,7 @@ class TieredCache:
         self._checksummer = BackgroundQueue(
             self._first_tier.record_checksums, enabled=self.settings.checksums, name="checksums"
         )
+        self._media = {t.name: t.medium for t in self.tiers}
         self.metrics.watch_tiers(lambda: [t.stats() for t in self.tiers])
 
     @property
@@ -247,7 +248,7 @@ class TieredCache:
         self.metrics.misses.inc(len(keys) - len(tiers))
         for name, num in Counter(tiers).items():
             self.metrics.hits.labels(tier=name).inc(num)
-        return LookupResult(len(tiers), tiers)
+        return LookupResult(len(tiers), tiers, [self._media[name] for name in tiers])
 
     def _locate_local(self, keys: list[ChunkKey]) -> list[str]:
         """Where each chunk of the longest prefix known to the in-memory indices is."""

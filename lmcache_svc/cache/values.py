@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from lmcache_svc.keys import ChunkHash
-from lmcache_svc.tiers.base import Slot, TierStats
+from lmcache_svc.tiers.base import Medium, Slot, TierStats
 
 StoreStatus = Literal["reserved", "already_stored", "no_space", "in_progress"]
 
@@ -41,6 +41,8 @@ class PreparedStore:
 class LookupResult:
     num_hit_chunks: int
     tiers: list[str]
+    media: list[Medium] = field(default_factory=list)
+    """The medium of the tier holding each hit chunk (``Tier.medium``)."""
 
 
 @dataclass(frozen=True, slots=True)

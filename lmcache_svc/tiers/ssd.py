@@ -74,6 +74,8 @@ class _Entry:
 class SsdTier(Tier):
     """Chunks as checksummed files under ``path``; see the module docstring."""
 
+    medium = "disk"
+
     def __init__(
         self,
         path: str | os.PathLike[str],
