@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import grpc
 import uvicorn
 
 from lmcache_svc.arena import Arena, remove_orphan_segments
@@ -160,15 +161,19 @@ class Service:
             log.warning("removed shared-memory segment %s: its server was killed", name)
         memories = build_memory_store(cfg)
         cache = build_cache(cfg)
-        cache.start()
-        cache.metrics.watch_memories(memories.usage)
-        grpc_server, servicer, health = build_grpc_server(
-            cache,
-            max_body_bytes=int(cfg.max_body_bytes),
-            workers=cfg.grpc_workers,
-            auth=self.auth,
-        )
-        add_memory_service(grpc_server, memories, cache.metrics, self.auth)
+        try:  # until the try below owns it: a failure here must not leave the arena behind
+            cache.start()
+            cache.metrics.watch_memories(memories.usage)
+            grpc_server, servicer, health = build_grpc_server(
+                cache,
+                max_body_bytes=int(cfg.max_body_bytes),
+                workers=cfg.grpc_workers,
+                auth=self.auth,
+            )
+            add_memory_service(grpc_server, memories, cache.metrics, self.auth)
+        except BaseException:
+            cache.close()
+            raise
         addresses: dict[str, Any] = {"shm": cache.segment().name, "pid": os.getpid()}
         http: _Uvicorn | None = None
         http_task: asyncio.Task[None] | None = None
@@ -177,9 +182,7 @@ class Service:
                 grpc_server.add_insecure_port(f"unix:{cfg.socket}")
                 addresses["socket"] = str(cfg.socket)
             if cfg.grpc_port is not None:
-                port = grpc_server.add_insecure_port(_host_port(cfg.host, cfg.grpc_port))
-                if port == 0:
-                    raise ConfigError(f"cannot listen on {cfg.host}:{cfg.grpc_port} for gRPC")
+                port = _add_grpc_port(grpc_server, cfg.host, cfg.grpc_port)
                 addresses["grpc"] = _host_port(cfg.host, port)
             await grpc_server.start()
             if cfg.socket is not None:
@@ -225,6 +228,17 @@ class Service:
             tmp = self.config.ready_file.with_suffix(".tmp")
             tmp.write_text(line + "\n")
             tmp.replace(self.config.ready_file)
+
+
+def _add_grpc_port(server: grpc.aio.Server, host: str, port: int) -> int:
+    """Listen on ``host:port`` (0: any free port); the port bound."""
+    try:
+        bound = server.add_insecure_port(_host_port(host, port))
+    except RuntimeError:  # grpcio raises when the bind fails (in use, not an address here)
+        bound = 0
+    if bound == 0:
+        raise ConfigError(f"cannot listen on {host}:{port} for gRPC (in use or not available)")
+    return bound
 
 
 def _host_port(host: str, port: int) -> str:
