@@ -1,4 +1,4 @@
-"""The first tier with its chunk index: slots in and out, and chunk moves across tiers.
+"""The cache's management of its first tier: slots in and out, and chunk moves across tiers.
 
 Allocating a slot (evicting to make room), freeing one, dropping a pin, and the three moves
 between the first tier and the lower ones: demotion of evicted chunks, promotion of chunks
@@ -12,7 +12,8 @@ and counted (``tier_errors{kind="corrupted"}``), never handed on.
 
 Locking: shares the cache's (reentrant) lock. ``allocate``, ``evict``, ``promote`` and
 ``copy_through`` take it themselves and must be called without it (they copy bulk bytes
-outside it); ``free`` and ``unpin`` assume the caller holds it.
+outside it); ``free`` and ``unpin`` assume the caller holds it. Entries change only
+through ``ChunkIndex`` methods.
 """
 
 from __future__ import annotations

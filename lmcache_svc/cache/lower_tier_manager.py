@@ -1,4 +1,5 @@
-"""The tiers below the first: which chunks each holds, and how chunks move among them.
+"""The cache's management of the tiers below the first: which chunks each holds, and how
+chunks move among them.
 
 Each lower tier has an index (chunk key -> size, least recently used first) of what it is
 known to hold: rebuilt from ``Tier.scan()`` at start-up and kept up to date by every put,
