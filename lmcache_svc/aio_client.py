@@ -38,7 +38,7 @@ from lmcache_svc.rpc import (
 )
 from lmcache_svc.v1 import cache_pb2 as pb
 from lmcache_svc.v1 import cache_pb2_grpc as pb_grpc
-from lmcache_svc.wire import memory_info_from_pb, namespace_to_pb
+from lmcache_svc.wire import medium_from_pb, memory_info_from_pb, namespace_to_pb
 
 
 class _AsyncSession:
@@ -129,7 +129,8 @@ class AsyncCacheClient:
         resp = await self._ns_call(
             "Lookup", pb.LookupRequest(namespace_id=namespace_id, chunk_hashes=chunk_hashes)
         )
-        return LookupResult(resp.num_hit_chunks, list(resp.tiers))
+        media = [medium_from_pb(m) for m in resp.media]
+        return LookupResult(resp.num_hit_chunks, list(resp.tiers), media)
 
     async def put(self, namespace_id: bytes, items: Sequence[tuple[bytes, Any]]) -> int:
         try:

@@ -48,7 +48,7 @@ from lmcache_svc.rpc import (
 )
 from lmcache_svc.v1 import cache_pb2 as pb
 from lmcache_svc.v1 import cache_pb2_grpc as pb_grpc
-from lmcache_svc.wire import memory_info_from_pb, namespace_to_pb
+from lmcache_svc.wire import medium_from_pb, memory_info_from_pb, namespace_to_pb
 
 __all__ = [
     "AsyncCacheClient",
@@ -206,7 +206,8 @@ class CacheClient:
             pb.LookupRequest(namespace_id=namespace_id, chunk_hashes=chunk_hashes),
             timeout_s,
         )
-        return LookupResult(resp.num_hit_chunks, list(resp.tiers))
+        media = [medium_from_pb(m) for m in resp.media]
+        return LookupResult(resp.num_hit_chunks, list(resp.tiers), media)
 
     # -- shared-memory path --------------------------------------------------------------
 

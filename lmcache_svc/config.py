@@ -152,6 +152,9 @@ class CacheConfig(_Section):
     """Keep an xxh3-64 checksum of each arena chunk (taken in the background after commit
     or promotion; 8 bytes per 4 KiB of arena), checked before a chunk is demoted or written
     through and when a load or get asks ``verify``: a chunk that fails is dropped."""
+    maintenance_interval_s: float = Field(0.05, gt=0, le=60)
+    """How often the background maintenance runs: it expires leases and reservations past
+    their deadlines, evicts down to low_watermark and probes lower tiers marked down."""
 
     @model_validator(mode="after")
     def _check_watermarks(self) -> CacheConfig:

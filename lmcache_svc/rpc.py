@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import grpc
 
@@ -14,6 +14,9 @@ from lmcache_svc.arena import ArenaMapping
 from lmcache_svc.defaults import default_socket_path
 from lmcache_svc.v1 import cache_pb2 as pb
 from lmcache_svc.wire import ERROR_KIND_KEY, PIECE_BYTES, channel_options, error_from_kind
+
+if TYPE_CHECKING:
+    from lmcache_svc.tiers.base import Medium
 
 _UNAVAILABLE = {
     grpc.StatusCode.UNAVAILABLE,
@@ -33,6 +36,8 @@ RECONNECT_OPTIONS = [
 class LookupResult:
     num_hit_chunks: int
     tiers: list[str]
+    media: list[Medium] = field(default_factory=list)
+    """The medium of the tier holding each hit chunk (``Tier.medium``)."""
 
 
 def default_address() -> str:

@@ -13,6 +13,7 @@ from dataclasses import asdict
 from lmcache_svc import errors
 from lmcache_svc.keys import KVLayout, Namespace
 from lmcache_svc.memories.format import MemoryInfo
+from lmcache_svc.tiers.base import MEDIA, Medium
 from lmcache_svc.v1 import cache_pb2 as pb
 
 ERROR_KIND_KEY = "lmcache-error-kind"
@@ -104,3 +105,18 @@ def memory_info_to_pb(info: MemoryInfo) -> pb.MemoryInfo:
 def memory_info_from_pb(msg: pb.MemoryInfo) -> MemoryInfo:
     metadata = json.loads(msg.metadata_json) if msg.metadata_json else {}
     return MemoryInfo(msg.memory_id, int(msg.size_bytes), msg.model, metadata)
+
+
+def medium_to_pb(medium: Medium) -> pb.Medium:
+    return pb.Medium.Value("MEDIUM_" + medium.upper())
+
+
+def medium_from_pb(value: int) -> Medium:
+    """The medium a server sent; ``InvalidArgument`` for one this client does not know."""
+    medium = _MEDIA_BY_PB.get(value)
+    if medium is None:
+        raise errors.InvalidArgument(f"unknown tier medium {value} in a lookup answer")
+    return medium
+
+
+_MEDIA_BY_PB: dict[int, Medium] = {medium_to_pb(m): m for m in MEDIA}

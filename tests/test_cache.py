@@ -11,8 +11,10 @@ import pytest
 
 from lmcache_svc.arena import Arena
 from lmcache_svc.cache import TieredCache
+from lmcache_svc.cache.settings import CacheSettings
+from lmcache_svc.cache.values import TierPolicy
 from lmcache_svc.errors import InvalidArgument, PayloadTooLarge, SizeMismatch, UnknownNamespace
-from lmcache_svc.policy import CacheSettings, TierPolicy
+from lmcache_svc.keys import make_chunk_keys
 from lmcache_svc.tiers.cpu import CpuTier
 from lmcache_svc.tiers.ssd import SsdTier
 from tests.helpers import make_chunk, make_hash, make_namespace
@@ -283,3 +285,18 @@ def test_concurrent_clients_never_exceed_capacity_or_mix_bytes(cache_factory) ->
     assert not over, over[:3]
     stats = cache.stats()
     assert stats.active_leases == 0 and stats.pending_stores == 0
+
+
+def test_the_cache_index_refuses_changes_outside_the_cache_lock_in_this_suite(
+    cache_factory,
+) -> None:
+    """Every cache test runs with the chunk index's lock check on (tests/conftest.py): a
+    change made without the cache's lock raises instead of racing."""
+    cache = cache_factory()
+    put(cache, "a")
+    key = make_chunk_keys(NS, [make_hash("a")])[0]
+    with pytest.raises(RuntimeError, match=r"ChunkIndex\.pin called without the cache's lock"):
+        cache._index.pin(key)
+    with cache._lock:
+        cache._index.pin(key)
+        assert cache._index.unpin(key) is False

@@ -42,9 +42,9 @@ from lmcache_svc.bench.report import Report
 from lmcache_svc.bench.runner import BenchContext
 from lmcache_svc.bench.stats import ms, percentile
 from lmcache_svc.cache import TieredCache
+from lmcache_svc.cache.settings import CacheSettings
 from lmcache_svc.client import CacheClient
 from lmcache_svc.keys import KVLayout, Namespace, make_chunk_key
-from lmcache_svc.policy import CacheSettings
 from lmcache_svc.rpc import grpc_target
 from lmcache_svc.slab import ALIGN
 from lmcache_svc.tiers.cpu import CpuTier
@@ -174,7 +174,9 @@ def fill_cache(cache: TieredCache, ns_id: bytes, start: int, stop: int) -> None:
 def inprocess_cache(capacity: int) -> Iterator[TieredCache]:
     """The server's cache objects in this process (no maintenance thread: nothing expires)."""
     arena = Arena.create(capacity, prefault="off")
-    cache = TieredCache(CpuTier(arena), settings=CacheSettings(reservation_ttl_s=600.0))
+    cache = TieredCache(
+        CpuTier(arena), settings=CacheSettings(reservation_ttl_s=600.0, max_reservation_ttl_s=600.0)
+    )
     try:
         yield cache
     finally:

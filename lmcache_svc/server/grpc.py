@@ -40,7 +40,13 @@ from lmcache_svc.server.status import INTERNAL_KIND, grpc_code
 from lmcache_svc.server.tokens import Authenticator, make_authenticator
 from lmcache_svc.v1 import cache_pb2 as pb
 from lmcache_svc.v1 import cache_pb2_grpc as pb_grpc
-from lmcache_svc.wire import ERROR_KIND_KEY, PIECE_BYTES, channel_options, namespace_from_pb
+from lmcache_svc.wire import (
+    ERROR_KIND_KEY,
+    PIECE_BYTES,
+    channel_options,
+    medium_to_pb,
+    namespace_from_pb,
+)
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -110,14 +116,14 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
             max_workers=workers, thread_name_prefix="lmcache-svc-arena"
         )
         self._stopping = asyncio.Event()
-        # With the CPU tier alone, prepare/commit/delete only touch in-memory indices (no
-        # disk, no network): running them on the event loop saves two thread hand-offs per
-        # call (~0.1-0.2 ms of a 0.6 ms round trip here). Lower tiers may block: pools.
-        self._inline_slots = len(cache.tiers) == 1
+        # When no tier may block (no disk, no network: the CPU tier alone), prepare/commit/
+        # delete only touch memory: running them on the event loop saves two thread
+        # hand-offs per call (~0.1-0.2 ms of a 0.6 ms round trip here). Otherwise: pools.
+        self._inline_slots = not any(t.may_block for t in cache.tiers)
         self._first = cache.tiers[0]
 
     async def _slots(self, fn: Callable[..., T], *args: Any, arena_only: bool, **kwargs: Any) -> T:
-        """A slot operation: inline when it cannot block (CPU tier only), else on the arena
+        """A slot operation: inline when it cannot block (no tier may), else on the arena
         pool when the caller knows it needs only the arena, else on the lower-tier pool."""
         if self._inline_slots:
             return fn(*args, **kwargs)
@@ -185,7 +191,11 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
         result = self._cache.lookup_local(request.namespace_id, request.chunk_hashes)
         if result is None:
             result = await self._run(self._cache.lookup, request.namespace_id, request.chunk_hashes)
-        return pb.LookupResponse(num_hit_chunks=result.num_hit_chunks, tiers=result.tiers)
+        return pb.LookupResponse(
+            num_hit_chunks=result.num_hit_chunks,
+            tiers=result.tiers,
+            media=[medium_to_pb(m) for m in result.media],
+        )
 
     def _check_session(self, session_id: str) -> None:
         if session_id and not self._cache.has_session(session_id):

@@ -9,9 +9,9 @@ import httpx
 
 from lmcache_svc.arena import Arena
 from lmcache_svc.cache import TieredCache
+from lmcache_svc.cache.settings import CacheSettings
 from lmcache_svc.keys import Namespace
 from lmcache_svc.memories.store import MemoryStore
-from lmcache_svc.policy import CacheSettings
 from lmcache_svc.tiers.cpu import CpuTier
 
 MAX_BODY_BYTES = 64 * 1024  # the chunk-body limit serve_http gives the app unless told

@@ -20,9 +20,9 @@ from lmcache_svc import errors
 from lmcache_svc.arena import Arena
 from lmcache_svc.bench.procs import ServerProc, start_server
 from lmcache_svc.cache import TieredCache
+from lmcache_svc.cache.settings import CacheSettings
 from lmcache_svc.client import CacheClient
 from lmcache_svc.keys import MAX_FIELD_VALUE, Namespace, chunk_hashes
-from lmcache_svc.policy import CacheSettings
 from lmcache_svc.server.grpc import build_grpc_server
 from lmcache_svc.server.http import create_app, make_uvicorn_server
 from lmcache_svc.tiers.cpu import CpuTier
@@ -287,11 +287,16 @@ def test_settings_reach_the_cache_from_the_config() -> None:
     from lmcache_svc.config import load_config
     from lmcache_svc.server.app import build_cache
 
-    env = {"LMCACHE_SVC_CACHE__MAX_NAMESPACES": "7", "LMCACHE_SVC_MAX_BODY_BYTES": "2MiB"}
+    env = {
+        "LMCACHE_SVC_CACHE__MAX_NAMESPACES": "7",
+        "LMCACHE_SVC_MAX_BODY_BYTES": "2MiB",
+        "LMCACHE_SVC_CACHE__MAINTENANCE_INTERVAL_S": "0.25",
+    }
     config = load_config(env=env, overrides={"cpu.capacity": "4MiB", "cpu.prefault": "off"})
     cache = build_cache(config)
     try:
         assert cache.settings.max_namespaces == 7
         assert cache.settings.max_chunk_bytes == 2 << 20
+        assert cache.settings.maintenance_interval_s == 0.25
     finally:
         cache.close()

@@ -44,9 +44,11 @@ def test_ssd_tier_keeps_demoted_chunks_across_a_restart(tmp_path: Path) -> None:
             ns_id = c.register_namespace(NS)
             found = c.lookup(ns_id, hashes)
             assert found.num_hit_chunks == num_on_ssd and set(found.tiers) == {"ssd"}
+            assert found.media == ["disk"] * num_on_ssd  # what the engine reports hits by
             got = c.load(ns_id, hashes[:4])  # promoted into the new arena
             assert got == [make_chunk(i, CHUNK) for i in range(4)]
-            assert c.lookup(ns_id, hashes[:4]).tiers == ["cpu"] * 4
+            promoted = c.lookup(ns_id, hashes[:4])
+            assert promoted.tiers == ["cpu"] * 4 and promoted.media == ["host_memory"] * 4
         metrics = httpx.get(f"{second.http_url}/metrics", timeout=5).text
         assert 'lmcache_svc_promotions_total{tier="cpu"} 4.0' in metrics
     finally:
@@ -67,7 +69,8 @@ def test_two_servers_share_chunks_through_redis(tmp_path: Path, redis_server) ->
             deadline = time.monotonic() + 10  # write-through is asynchronous
             while cb.lookup(ns_id, hashes).num_hit_chunks < 4 and time.monotonic() < deadline:
                 time.sleep(0.05)
-            assert cb.lookup(ns_id, hashes).tiers == ["redis"] * 4
+            remote = cb.lookup(ns_id, hashes)
+            assert remote.tiers == ["redis"] * 4 and remote.media == ["remote"] * 4
             assert cb.load(ns_id, hashes) == [make_chunk(i, CHUNK) for i in range(4)]
             assert cb.lookup(ns_id, hashes).tiers == ["cpu"] * 4
     finally:

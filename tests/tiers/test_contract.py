@@ -14,7 +14,7 @@ import pytest
 from lmcache_svc.arena import Arena
 from lmcache_svc.errors import Corrupted, InvalidArgument, TierError
 from lmcache_svc.keys import ChunkKey
-from lmcache_svc.tiers.base import Failed, SlotTier, Tier
+from lmcache_svc.tiers.base import MEDIA, Failed, SlotTier, Tier
 from lmcache_svc.tiers.cpu import CpuTier
 from lmcache_svc.tiers.ssd import SsdTier
 from tests.helpers import make_chunk, make_key
@@ -264,3 +264,16 @@ def test_batch_read_reports_a_corrupted_item_and_keeps_the_others(faulty: Faulty
     assert (bytes(outs[0]), bytes(outs[2])) == (make_chunk(0, CHUNK), make_chunk(3, CHUNK))
     assert tier.contains_many([make_key(i) for i in (0, 1, 3)]) == [True, False, True]
     assert tier.num_chunks == 2  # the corrupted chunk was dropped and left the accounting
+
+
+EXPECTED_MEDIA = {"cpu": "host_memory", "ssd": "disk", "redis": "remote", "redis_cluster": "remote"}
+
+
+def test_each_tier_says_where_it_keeps_its_bytes(
+    tier: Tier, request: pytest.FixtureRequest
+) -> None:
+    """The medium is what a lookup reports per hit and what tells a server whether a call may
+    block: a tier is asked, never recognised by name."""
+    kind = request.node.callspec.params["tier"]
+    assert tier.medium in MEDIA and tier.medium == EXPECTED_MEDIA[kind]
+    assert tier.may_block == (tier.medium in ("disk", "remote"))

@@ -106,6 +106,18 @@ def test_load_plan_starts_after_vllms_own_hit(server: ServerProc) -> None:
     assert plan.chunk_hashes == (tuple(chunk_hashes(NAMESPACE, prompt)[1:2]),)
 
 
+def test_hits_are_counted_by_the_medium_that_held_them(server: ServerProc) -> None:
+    """vLLM's by-source counters get the server's answer (the tier's medium), not a name."""
+    scheduler, _ = make_scheduler(server.socket)
+    prompt = tokens(4, 2 * CHUNK + 50)
+    store_prefix(server, prompt, 2)
+    req = request("media", prompt)
+    assert answer(scheduler, req) == (2 * CHUNK, False)
+    scheduler.update_state_after_alloc(req, [10, 11, 12, 13, 14], 2 * CHUNK)
+    assert scheduler.hit_media("media", 2 * CHUNK) == {"host_memory": 2 * CHUNK}
+    assert scheduler.hit_media("media", CHUNK + 1) == {"host_memory": CHUNK + 1}
+
+
 def test_requests_whose_kv_is_not_a_function_of_tokens_are_skipped(server: ServerProc) -> None:
     scheduler, stats = make_scheduler(server.socket)
     prompt = tokens(4, 600)

@@ -43,7 +43,11 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(f"vllm.{__name__}")
 
-_TIER_SOURCES = {"cpu": CacheHitSource.HOST, "ssd": CacheHitSource.DISK}
+_MEDIUM_SOURCES = {  # a server tier's medium (lookup answers) -> vLLM's hit source
+    "host_memory": CacheHitSource.HOST,
+    "device": CacheHitSource.DEVICE,
+    "disk": CacheHitSource.DISK,
+}
 
 
 @dataclass
@@ -201,8 +205,9 @@ class LMCacheSvcConnector(KVConnectorBase_V1):
         if self._scheduler is None:
             return super().get_external_cache_hit_sources(request, num_external_tokens)
         sources: dict[CacheHitSource, int] = {}
-        for tier, n in self._scheduler.hit_tiers(request.request_id, num_external_tokens).items():
-            source = _TIER_SOURCES.get(tier, CacheHitSource.EXTERNAL_UNSPECIFIED)
+        hits = self._scheduler.hit_media(request.request_id, num_external_tokens)
+        for medium, n in hits.items():
+            source = _MEDIUM_SOURCES.get(medium, CacheHitSource.EXTERNAL_UNSPECIFIED)
             sources[source] = sources.get(source, 0) + n
         return sources
 

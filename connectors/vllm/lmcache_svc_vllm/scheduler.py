@@ -52,7 +52,7 @@ class RequestState:
     started: float = 0.0
     hashes: Hashes = ((),)
     num_hit_chunks: int = 0  # leading chunks the server held at lookup (0 if unknown)
-    tiers: list[str] = field(default_factory=list)
+    media: list[str] = field(default_factory=list)  # where each hit chunk is (Tier.medium)
     num_saved_chunks: int = 0  # chunks [0, n) are stored or being stored
     load_start: int = 0  # first token of the pending load (vLLM's local hit)
     load_async: bool = False
@@ -156,7 +156,7 @@ class SchedulerSide:
             self.stats.add(lookup_failures=1)
             return
         state.num_hit_chunks = answer.result.num_hit_chunks
-        state.tiers = list(answer.result.tiers)
+        state.media = list(answer.result.media)
         state.num_saved_chunks = state.num_hit_chunks
         self.stats.add(lookup_hit_tokens=state.num_hit_chunks * chunk)
 
@@ -166,8 +166,9 @@ class SchedulerSide:
             return num_tokens >= self.config.async_load_min_tokens and self._num_running > 0
         return mode == "async"
 
-    def hit_tiers(self, request_id: str, num_external_tokens: int) -> dict[str, int]:
-        """Tokens of the external hit per server tier (for vLLM's by-source counters)."""
+    def hit_media(self, request_id: str, num_external_tokens: int) -> dict[str, int]:
+        """Tokens of the external hit per medium of the server's tier that held them (for
+        vLLM's by-source counters); "" for tokens whose medium is unknown."""
         state = self._requests.get(request_id)
         if state is None or num_external_tokens <= 0:
             return {}
@@ -175,9 +176,9 @@ class SchedulerSide:
         end = state.load_start + num_external_tokens
         counts: dict[str, int] = {}
         for i in range(state.load_start // chunk, -(-end // chunk)):
-            tier = state.tiers[i] if i < len(state.tiers) else ""
+            medium = state.media[i] if i < len(state.media) else ""
             lo, hi = max(i * chunk, state.load_start), min((i + 1) * chunk, end)
-            counts[tier] = counts.get(tier, 0) + hi - lo
+            counts[medium] = counts.get(medium, 0) + hi - lo
         return counts
 
     # -- plans ---------------------------------------------------------------------------

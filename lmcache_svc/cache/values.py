@@ -1,12 +1,13 @@
-"""Plain values that configure and describe the tiered cache (no behaviour here)."""
+"""Plain values that configure and describe the tiered cache: how it uses a lower tier, and
+the results of its calls (no behaviour here; its settings are ``settings.CacheSettings``)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Literal
 
-from lmcache_svc.keys import MAX_CHUNK_BYTES, ChunkHash
-from lmcache_svc.tiers.base import Slot, TierStats
+from lmcache_svc.keys import ChunkHash
+from lmcache_svc.tiers.base import Medium, Slot, TierStats
 
 StoreStatus = Literal["reserved", "already_stored", "no_space", "in_progress"]
 
@@ -30,32 +31,6 @@ class TierPolicy:
 
 
 @dataclass(frozen=True, slots=True)
-class CacheSettings:
-    high_watermark: float = 0.95
-    """Background eviction starts when the first tier's used bytes pass this fraction."""
-    low_watermark: float = 0.85
-    """... and stops when they are back under this fraction."""
-    lease_ttl_s: float = 30.0
-    max_lease_ttl_s: float = 600.0
-    reservation_ttl_s: float = 30.0
-    max_reservation_ttl_s: float = 120.0
-    """Longest store reservation a client may ask for (its slots are unusable meanwhile)."""
-    max_reserved_fraction: float = 0.5
-    """Most of the first tier's capacity one owner (a session, an inline upload, or all
-    session-less callers together) may hold reserved, expired reservations not yet let go
-    of (quarantined) included."""
-    max_chunks_per_request: int = 8192
-    max_namespaces: int = 4096
-    """Most namespaces registered at once; registering one more is ``TooManyNamespaces``."""
-    max_chunk_bytes: int = MAX_CHUNK_BYTES
-    """Largest chunk a namespace may have (the server passes its ``max_body_bytes``)."""
-    checksums: bool = True
-    """Keep an xxh3-64 of each first-tier chunk (taken in the background after commit or
-    promotion), checked on demotion, write-through and loads that ask ``verify``."""
-    maintenance_interval_s: float = 0.05
-
-
-@dataclass(frozen=True, slots=True)
 class PreparedStore:
     chunk_hash: ChunkHash
     status: StoreStatus
@@ -66,6 +41,8 @@ class PreparedStore:
 class LookupResult:
     num_hit_chunks: int
     tiers: list[str]
+    media: list[Medium] = field(default_factory=list)
+    """The medium of the tier holding each hit chunk (``Tier.medium``)."""
 
 
 @dataclass(frozen=True, slots=True)
