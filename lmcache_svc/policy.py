@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
 
 from lmcache_svc.keys import MAX_CHUNK_BYTES, ChunkHash
+from lmcache_svc.results import LookupResult as LookupResult  # the cache's lookup answer
+from lmcache_svc.results import StoreStatus
 from lmcache_svc.tiers.base import Slot, TierStats
-
-StoreStatus = Literal["reserved", "already_stored", "no_space", "in_progress"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,12 +59,6 @@ class PreparedStore:
     chunk_hash: ChunkHash
     status: StoreStatus
     slot: Slot | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class LookupResult:
-    num_hit_chunks: int
-    tiers: list[str]
 
 
 @dataclass(frozen=True, slots=True)

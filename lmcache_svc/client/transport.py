@@ -1,17 +1,18 @@
-"""The client side of the wire, shared by the blocking and asyncio clients: gRPC targets,
-channel options, error conversion and the shaping of inline transfers."""
+"""The client side of the wire, used by ``CacheClient``: gRPC targets, channel options, error
+conversion, the shaping of inline transfers, and the shared segment's slots and leases."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 import grpc
 
 from lmcache_svc import errors
 from lmcache_svc.arena import ArenaMapping
-from lmcache_svc.defaults import default_socket_path
+from lmcache_svc.client.defaults import default_socket_path
+from lmcache_svc.results import StoreStatus
 from lmcache_svc.v1 import cache_pb2 as pb
 from lmcache_svc.wire import ERROR_KIND_KEY, PIECE_BYTES, channel_options, error_from_kind
 
@@ -27,12 +28,6 @@ RECONNECT_OPTIONS = [
     ("grpc.initial_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 1000),
 ]
-
-
-@dataclass(frozen=True, slots=True)
-class LookupResult:
-    num_hit_chunks: int
-    tiers: list[str]
 
 
 def default_address() -> str:
@@ -54,8 +49,7 @@ def grpc_target(address: str) -> str:
 
 def convert_rpc_error(error: grpc.RpcError) -> errors.LMCacheSvcError:
     """The project's exception for a failed call (the server sends the error kind)."""
-    # grpc.aio's errors carry the same accessors but are not grpc.Call instances
-    call = isinstance(error, (grpc.Call, grpc.aio.AioRpcError))
+    call = isinstance(error, grpc.Call)
     code = error.code() if call else grpc.StatusCode.UNKNOWN
     details = (error.details() if call else None) or str(error)
     trailing = error.trailing_metadata() if call else None
@@ -167,7 +161,6 @@ def auth_metadata(auth_token: str | None) -> tuple[tuple[str, str], ...]:
     return (("authorization", f"Bearer {auth_token}"),) if auth_token else ()
 
 
-StoreStatus = Literal["reserved", "already_stored", "no_space", "in_progress"]
 _STATUS_NAMES: dict[int, StoreStatus] = {
     pb.RESERVED: "reserved",
     pb.ALREADY_STORED: "already_stored",
