@@ -8,11 +8,13 @@ raised (``error_from_kind``).
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from dataclasses import asdict
 
 from lmcache_svc import errors
 from lmcache_svc.keys import KVLayout, Namespace
 from lmcache_svc.memories.format import MemoryInfo
+from lmcache_svc.results import StoreStatus
 from lmcache_svc.v1 import cache_pb2 as pb
 
 ERROR_KIND_KEY = "lmcache-error-kind"
@@ -20,32 +22,43 @@ MAX_MESSAGE_BYTES = 64 << 20
 PIECE_BYTES = 4 << 20
 """Inline chunk bytes travel in pieces of at most this size."""
 
-_ERRORS_BY_KIND: dict[str, type[errors.LMCacheSvcError]] = {
-    cls.kind: cls
-    for cls in (
-        errors.InvalidArgument,
-        errors.UnknownNamespace,
-        errors.SizeMismatch,
-        errors.BadMemory,
-        errors.Conflict,
-        errors.PayloadTooLarge,
-        errors.NotFound,
-        errors.UnknownSession,
-        errors.ReservationExpired,
-        errors.NoSpace,
-        errors.TooManyNamespaces,
-        errors.ReservationLimit,
-        errors.Unauthenticated,
-        errors.PermissionDenied,
-        errors.BodyTimeout,
-        errors.ConfigError,
-        errors.TierError,
-        errors.Corrupted,
-    )
+
+def _error_classes(
+    base: type[errors.LMCacheSvcError],
+) -> Iterator[type[errors.LMCacheSvcError]]:
+    """``base`` and every class below it in the exception tree (``errors.py``)."""
+    yield base
+    for sub in base.__subclasses__():
+        yield from _error_classes(sub)
+
+
+def _errors_by_kind() -> dict[str, type[errors.LMCacheSvcError]]:
+    table: dict[str, type[errors.LMCacheSvcError]] = {}
+    for cls in _error_classes(errors.LMCacheSvcError):
+        if table.setdefault(cls.kind, cls) is not cls:
+            raise TypeError(
+                f"{cls.__name__} and {table[cls.kind].__name__} share kind {cls.kind!r}"
+            )
+    return table
+
+
+_ERRORS_BY_KIND = _errors_by_kind()
+"""Each exception class of ``errors.py`` by its ``kind``, derived from the tree itself."""
+
+STORE_STATUS_CODES: dict[StoreStatus, pb.StoreStatus] = {
+    "reserved": pb.RESERVED,
+    "already_stored": pb.ALREADY_STORED,
+    "no_space": pb.NO_SPACE,
+    "in_progress": pb.IN_PROGRESS,
 }
+"""``prepare_store``'s answer per chunk as the wire's enum (the server sends, the client
+reads ``STORE_STATUS_NAMES``)."""
+STORE_STATUS_NAMES: dict[int, StoreStatus] = {v: k for k, v in STORE_STATUS_CODES.items()}
 
 
 def error_from_kind(kind: str, message: str) -> errors.LMCacheSvcError:
+    """The exception the server raised, from the kind it sent (the base class for a kind this
+    client does not know, e.g. from a newer server)."""
     return _ERRORS_BY_KIND.get(kind, errors.LMCacheSvcError)(message)
 
 

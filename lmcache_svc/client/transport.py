@@ -14,7 +14,13 @@ from lmcache_svc.arena import ArenaMapping
 from lmcache_svc.client.defaults import default_socket_path
 from lmcache_svc.results import StoreStatus
 from lmcache_svc.v1 import cache_pb2 as pb
-from lmcache_svc.wire import ERROR_KIND_KEY, PIECE_BYTES, channel_options, error_from_kind
+from lmcache_svc.wire import (
+    ERROR_KIND_KEY,
+    PIECE_BYTES,
+    STORE_STATUS_NAMES,
+    channel_options,
+    error_from_kind,
+)
 
 _UNAVAILABLE = {
     grpc.StatusCode.UNAVAILABLE,
@@ -161,14 +167,6 @@ def auth_metadata(auth_token: str | None) -> tuple[tuple[str, str], ...]:
     return (("authorization", f"Bearer {auth_token}"),) if auth_token else ()
 
 
-_STATUS_NAMES: dict[int, StoreStatus] = {
-    pb.RESERVED: "reserved",
-    pb.ALREADY_STORED: "already_stored",
-    pb.NO_SPACE: "no_space",
-    pb.IN_PROGRESS: "in_progress",
-}
-
-
 @dataclass(frozen=True, slots=True)
 class StoreSlot:
     """A chunk's answer to ``prepare_store``: write ``buffer`` when status is 'reserved'."""
@@ -212,7 +210,7 @@ def store_slots(resp: pb.PrepareStoreResponse, mapping: ArenaMapping) -> list[St
     return [
         StoreSlot(
             s.chunk_hash,
-            _STATUS_NAMES[s.status],
+            STORE_STATUS_NAMES[s.status],
             mapping.view(s.offset, s.length) if s.status == pb.RESERVED else None,
         )
         for s in resp.slots

@@ -36,22 +36,23 @@ from lmcache_svc.errors import (
 from lmcache_svc.keys import check_chunk_hash
 from lmcache_svc.metrics import Metrics
 from lmcache_svc.server.grpc_auth import AuthInterceptor
+from lmcache_svc.server.stats import stats_fields
 from lmcache_svc.server.status import INTERNAL_KIND, grpc_code
 from lmcache_svc.server.tokens import Authenticator, make_authenticator
 from lmcache_svc.v1 import cache_pb2 as pb
 from lmcache_svc.v1 import cache_pb2_grpc as pb_grpc
-from lmcache_svc.wire import ERROR_KIND_KEY, PIECE_BYTES, channel_options, namespace_from_pb
+from lmcache_svc.wire import (
+    ERROR_KIND_KEY,
+    PIECE_BYTES,
+    STORE_STATUS_CODES,
+    channel_options,
+    namespace_from_pb,
+)
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 SERVICE_NAME = "lmcache_svc.v1.CacheService"
-_STORE_STATUS = {
-    "reserved": pb.RESERVED,
-    "already_stored": pb.ALREADY_STORED,
-    "no_space": pb.NO_SPACE,
-    "in_progress": pb.IN_PROGRESS,
-}
 
 
 async def _abort(
@@ -218,7 +219,7 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
         slots = [
             pb.PreparedSlot(
                 chunk_hash=p.chunk_hash,
-                status=_STORE_STATUS[p.status],
+                status=STORE_STATUS_CODES[p.status],
                 offset=p.slot.offset if p.slot else 0,
                 length=p.slot.length if p.slot else 0,
             )
@@ -354,22 +355,7 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
 
     @_rpc
     async def Stats(self, request: Any, context: Any) -> pb.StatsResponse:
-        s = self._cache.stats()
-        return pb.StatsResponse(
-            tiers=[
-                pb.TierState(
-                    name=t.name,
-                    capacity_bytes=t.capacity_bytes,
-                    used_bytes=t.used_bytes,
-                    num_chunks=t.num_chunks,
-                )
-                for t in s.tiers
-            ],
-            active_leases=s.active_leases,
-            pending_stores=s.pending_stores,
-            num_namespaces=s.num_namespaces,
-            version=__version__,
-        )
+        return pb.StatsResponse(**stats_fields(self._cache), version=__version__)
 
 
 async def _next_part(parts: AsyncIterator[pb.ChunkPart], upload: _Upload | None) -> Any:
