@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
-from dataclasses import asdict
+from dataclasses import fields
+from typing import Any
+
+from google.protobuf.message import Message
 
 from lmcache_svc import errors
 from lmcache_svc.keys import KVLayout, Namespace
@@ -63,39 +66,20 @@ def error_from_kind(kind: str, message: str) -> errors.LMCacheSvcError:
 
 
 def namespace_to_pb(ns: Namespace) -> pb.Namespace:
-    return pb.Namespace(
-        model=ns.model,
-        layout=pb.KVLayout(**asdict(ns.layout)),
-        chunk_size=ns.chunk_size,
-        tp_rank=ns.tp_rank,
-        tp_size=ns.tp_size,
-        tenant=ns.tenant,
-        key_version=ns.key_version,
-    )
+    """The message of ``ns``: the proto's field names are the dataclasses' (``keys.py``)."""
+    return pb.Namespace(**ns.to_dict())
 
 
 def namespace_from_pb(msg: pb.Namespace) -> Namespace:
     if not msg.HasField("layout"):
         raise errors.InvalidArgument("namespace is missing its layout")
-    lay = msg.layout
-    layout = KVLayout(
-        dtype=lay.dtype,
-        num_layers=lay.num_layers,
-        num_kv_heads=lay.num_kv_heads,
-        head_size=lay.head_size,
-        block_size=lay.block_size,
-        page_layout=lay.page_layout,
-        kv_planes=lay.kv_planes,
-    )
-    return Namespace(
-        model=msg.model,
-        layout=layout,
-        chunk_size=msg.chunk_size,
-        tp_rank=msg.tp_rank,
-        tp_size=msg.tp_size,
-        tenant=msg.tenant,
-        key_version=msg.key_version,
-    )
+    layout = KVLayout(**_init_fields(KVLayout, msg.layout))
+    return Namespace(**{**_init_fields(Namespace, msg), "layout": layout})
+
+
+def _init_fields(cls: type[KVLayout] | type[Namespace], msg: Message) -> dict[str, Any]:
+    """The values of ``msg``'s fields named like ``cls``'s constructor arguments."""
+    return {f.name: getattr(msg, f.name) for f in fields(cls) if f.init}
 
 
 def channel_options() -> list[tuple[str, int]]:
