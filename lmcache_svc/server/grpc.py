@@ -18,7 +18,7 @@ import secrets
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -74,12 +74,21 @@ async def _abort(
     await context.abort(grpc_code(error), message)
 
 
-def _rpc(method: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
+class _Servicer(Protocol):
+    _metrics: Metrics
+
+
+S = TypeVar("S", bound=_Servicer)
+R = TypeVar("R")  # a request message, or a stream of them
+Handler = Callable[[S, R, grpc.aio.ServicerContext], Awaitable[T]]
+
+
+def _rpc(method: Handler[S, R, T]) -> Handler[S, R, T]:
     """Count and time a unary call; turn errors into status codes (``_abort``)."""
     name = method.__name__
 
     @functools.wraps(method)
-    async def wrapper(self: CacheServicer, request: Any, context: grpc.aio.ServicerContext) -> T:
+    async def wrapper(self: S, request: R, context: grpc.aio.ServicerContext) -> T:
         start = time.perf_counter()
         code = grpc.StatusCode.OK
         try:
@@ -148,13 +157,17 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
         self._arena_pool.shutdown(wait=False)
 
     @_rpc
-    async def RegisterNamespace(self, request: Any, context: Any) -> pb.RegisterNamespaceResponse:
+    async def RegisterNamespace(
+        self, request: pb.RegisterNamespaceRequest, context: grpc.aio.ServicerContext
+    ) -> pb.RegisterNamespaceResponse:
         ns = self._cache.register_namespace(namespace_from_pb(request.namespace))
         return pb.RegisterNamespaceResponse(
             namespace_id=ns.namespace_id, chunk_bytes=ns.chunk_bytes
         )
 
-    async def OpenSession(self, request: Any, context: Any) -> AsyncIterator[pb.SessionEvent]:
+    async def OpenSession(
+        self, request: pb.OpenSessionRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.SessionEvent]:
         try:
             session_id = self._cache.open_session()
             seg = self._cache.segment()
@@ -180,7 +193,9 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
             await self._slots(self._cache.close_session, session_id, arena_only=True)
 
     @_rpc
-    async def Lookup(self, request: Any, context: Any) -> pb.LookupResponse:
+    async def Lookup(
+        self, request: pb.LookupRequest, context: grpc.aio.ServicerContext
+    ) -> pb.LookupResponse:
         # The in-memory indices first (inline); only a lookup that must ask a shared tier
         # (Redis) goes to the lower-tier pool.
         result = self._cache.lookup_local(request.namespace_id, request.chunk_hashes)
@@ -205,7 +220,9 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
             )
 
     @_rpc
-    async def PrepareStore(self, request: Any, context: Any) -> pb.PrepareStoreResponse:
+    async def PrepareStore(
+        self, request: pb.PrepareStoreRequest, context: grpc.aio.ServicerContext
+    ) -> pb.PrepareStoreResponse:
         self._require_session(request.session_id, "PrepareStore")
         self._check_session(request.session_id)
         prepared = await self._slots(
@@ -228,7 +245,9 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
         return pb.PrepareStoreResponse(slots=slots, segment_name=self._cache.segment().name)
 
     @_rpc
-    async def CommitStore(self, request: Any, context: Any) -> pb.CommitStoreResponse:
+    async def CommitStore(
+        self, request: pb.CommitStoreRequest, context: grpc.aio.ServicerContext
+    ) -> pb.CommitStoreResponse:
         self._require_session(request.session_id, "CommitStore")
         fn = self._cache.abort_store if request.abort else self._cache.commit_store
         num = await self._slots(
@@ -241,10 +260,12 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
         return pb.CommitStoreResponse(num_committed=num)
 
     @_rpc
-    async def PrepareLoad(self, request: Any, context: Any) -> pb.PrepareLoadResponse:
+    async def PrepareLoad(
+        self, request: pb.PrepareLoadRequest, context: grpc.aio.ServicerContext
+    ) -> pb.PrepareLoadResponse:
         self._check_session(request.session_id)
         args = (self._cache.prepare_load, request.namespace_id, request.chunk_hashes)
-        kwargs = {
+        kwargs: dict[str, Any] = {
             "session_id": request.session_id or None,
             "ttl_s": request.ttl_ms / 1000,
             "verify": request.verify,
@@ -263,11 +284,15 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
         )
 
     @_rpc
-    async def ReleaseLoad(self, request: Any, context: Any) -> pb.ReleaseLoadResponse:
+    async def ReleaseLoad(
+        self, request: pb.ReleaseLoadRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ReleaseLoadResponse:
         return pb.ReleaseLoadResponse(released=self._cache.release_load(request.lease_id))
 
     @_rpc
-    async def Put(self, request_iterator: Any, context: Any) -> pb.PutResponse:
+    async def Put(
+        self, request_iterator: AsyncIterator[pb.ChunkPart], context: grpc.aio.ServicerContext
+    ) -> pb.PutResponse:
         counts = _PutCounts()
         upload: _Upload | None = None
         parts = aiter(request_iterator)
@@ -306,7 +331,9 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
             )
         return _Upload(self._cache, header.namespace_id, check_chunk_hash(header.chunk_hash))
 
-    async def Get(self, request: Any, context: Any) -> AsyncIterator[pb.ChunkPart]:
+    async def Get(
+        self, request: pb.GetRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.ChunkPart]:
         start = time.perf_counter()
         code = "OK"
         try:
@@ -347,18 +374,24 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
             )
 
     @_rpc
-    async def Delete(self, request: Any, context: Any) -> pb.DeleteResponse:
+    async def Delete(
+        self, request: pb.DeleteRequest, context: grpc.aio.ServicerContext
+    ) -> pb.DeleteResponse:
         num = await self._slots(
             self._cache.delete, request.namespace_id, request.chunk_hashes, arena_only=False
         )
         return pb.DeleteResponse(num_deleted=num)
 
     @_rpc
-    async def Stats(self, request: Any, context: Any) -> pb.StatsResponse:
+    async def Stats(
+        self, request: pb.StatsRequest, context: grpc.aio.ServicerContext
+    ) -> pb.StatsResponse:
         return pb.StatsResponse(**stats_fields(self._cache), version=__version__)
 
 
-async def _next_part(parts: AsyncIterator[pb.ChunkPart], upload: _Upload | None) -> Any:
+async def _next_part(
+    parts: AsyncIterator[pb.ChunkPart], upload: _Upload | None
+) -> pb.ChunkPart | None:
     """The stream's next part (None at its end); a client that stalls while an upload holds
     a reservation gets ``ReservationExpired`` when the reservation runs out."""
     timeout = upload.seconds_left() if upload is not None else None
