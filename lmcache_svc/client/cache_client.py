@@ -17,21 +17,25 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol, TypeVar
+from typing import Any
 
 import grpc
-from google.protobuf.message import Message
 
 from lmcache_svc import errors
 from lmcache_svc.arena import ArenaMapping
 from lmcache_svc.client.transport import (
     GetAssembler,
     LoadLease,
+    NsReq,
+    Req,
+    Resp,
     StoreSlot,
+    UnaryCall,
     auth_metadata,
     check_mapping,
     client_channel_options,
     convert_rpc_error,
+    first_event,
     grpc_target,
     join_memory_parts,
     load_lease,
@@ -48,27 +52,6 @@ from lmcache_svc.results import LookupResult
 from lmcache_svc.v1 import cache_pb2 as pb
 from lmcache_svc.v1 import cache_pb2_grpc as pb_grpc
 from lmcache_svc.wire import memory_info_from_pb, namespace_to_pb
-
-Req = TypeVar("Req", contravariant=True)
-Resp = TypeVar("Resp", bound=Message, covariant=True)
-
-
-class UnaryCall(Protocol[Req, Resp]):
-    """A generated stub's unary method (``self._stub.Lookup``, ...), from a request message
-    to a response message (the generated types of ``cache_pb2``)."""
-
-    def __call__(
-        self, request: Req, *, timeout: float, metadata: tuple[tuple[str, str], ...]
-    ) -> Resp: ...
-
-
-class NamespaceRequest(Protocol):
-    """A request on one namespace (``pb.LookupRequest``, ``pb.PrepareStoreRequest``, ...)."""
-
-    namespace_id: bytes
-
-
-NsReq = TypeVar("NsReq", bound=NamespaceRequest)
 
 
 class _Session:
@@ -179,7 +162,7 @@ class CacheClient:
                 pb.OpenSessionRequest(client_name=self._client_name), metadata=self._metadata
             )
             try:
-                event = _first_event(stream, self.timeout_s)
+                event = first_event(stream, self.timeout_s)
             except grpc.RpcError as e:
                 stream.cancel()
                 raise convert_rpc_error(e) from None
@@ -415,26 +398,3 @@ class CacheClient:
             raise errors.ServerUnavailable(
                 f"no lmcache-svc server answered at {self._target} within {timeout_s} s"
             ) from None
-
-
-def _first_event(stream: Any, timeout_s: float) -> pb.SessionEvent:
-    """The session's first event, or ServerUnavailable if it does not come in time."""
-    result: list[Any] = []
-    done = threading.Event()
-
-    def read() -> None:
-        try:
-            result.append(next(stream))
-        except BaseException as e:  # handed to the caller below
-            result.append(e)
-        done.set()
-
-    threading.Thread(target=read, daemon=True).start()
-    if not done.wait(timeout_s):
-        stream.cancel()
-        raise errors.ServerUnavailable(f"no session from the server within {timeout_s} s")
-    if isinstance(result[0], grpc.RpcError):
-        raise result[0]
-    if isinstance(result[0], BaseException):
-        raise errors.ServerUnavailable(f"session stream ended: {result[0]!r}")
-    return result[0]

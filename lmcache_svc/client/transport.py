@@ -3,11 +3,13 @@ conversion, the shaping of inline transfers, and the shared segment's slots and 
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 import grpc
+from google.protobuf.message import Message
 
 from lmcache_svc import errors
 from lmcache_svc.arena import ArenaMapping
@@ -27,6 +29,28 @@ _UNAVAILABLE = {
     grpc.StatusCode.DEADLINE_EXCEEDED,
     grpc.StatusCode.CANCELLED,
 }
+Req = TypeVar("Req", contravariant=True)
+Resp = TypeVar("Resp", bound=Message, covariant=True)
+
+
+class UnaryCall(Protocol[Req, Resp]):
+    """A generated stub's unary method (``self._stub.Lookup``, ...), from a request message
+    to a response message (the generated types of ``cache_pb2``)."""
+
+    def __call__(
+        self, request: Req, *, timeout: float, metadata: tuple[tuple[str, str], ...]
+    ) -> Resp: ...
+
+
+class NamespaceRequest(Protocol):
+    """A request on one namespace (``pb.LookupRequest``, ``pb.PrepareStoreRequest``, ...)."""
+
+    namespace_id: bytes
+
+
+NsReq = TypeVar("NsReq", bound=NamespaceRequest)
+
+
 RECONNECT_OPTIONS = [
     # Retry a lost server quickly (100 ms, backing off to 1 s). Not min_reconnect_backoff_ms:
     # gRPC also uses it as the time a connection attempt may take, so 100 ms there failed
@@ -222,3 +246,26 @@ def load_lease(resp: pb.PrepareLoadResponse, mapping: ArenaMapping) -> LoadLease
     return LoadLease(
         resp.lease_id, [mapping.view(s.offset, s.length, writable=False) for s in resp.slots]
     )
+
+
+def first_event(stream: Any, timeout_s: float) -> pb.SessionEvent:
+    """The session's first event, or ServerUnavailable if it does not come in time."""
+    result: list[Any] = []
+    done = threading.Event()
+
+    def read() -> None:
+        try:
+            result.append(next(stream))
+        except BaseException as e:  # handed to the caller below
+            result.append(e)
+        done.set()
+
+    threading.Thread(target=read, daemon=True).start()
+    if not done.wait(timeout_s):
+        stream.cancel()
+        raise errors.ServerUnavailable(f"no session from the server within {timeout_s} s")
+    if isinstance(result[0], grpc.RpcError):
+        raise result[0]
+    if isinstance(result[0], BaseException):
+        raise errors.ServerUnavailable(f"session stream ended: {result[0]!r}")
+    return result[0]
