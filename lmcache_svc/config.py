@@ -26,7 +26,7 @@ from pydantic import (
     model_validator,
 )
 
-from lmcache_svc.defaults import default_socket_path
+from lmcache_svc.client.defaults import default_socket_path
 from lmcache_svc.errors import ConfigError
 
 ENV_PREFIX = "LMCACHE_SVC_"

@@ -44,8 +44,8 @@ from lmcache_svc.bench.stats import ms, percentile
 from lmcache_svc.cache import TieredCache
 from lmcache_svc.cache.settings import CacheSettings
 from lmcache_svc.client import CacheClient
+from lmcache_svc.client.transport import grpc_target
 from lmcache_svc.keys import KVLayout, Namespace, make_chunk_key
-from lmcache_svc.rpc import grpc_target
 from lmcache_svc.slab import ALIGN
 from lmcache_svc.tiers.cpu import CpuTier
 from lmcache_svc.v1 import cache_pb2 as pb

@@ -4,12 +4,11 @@ the results of its calls (no behaviour here; its settings are ``settings.CacheSe
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
 
 from lmcache_svc.keys import ChunkHash
-from lmcache_svc.tiers.base import Medium, Slot, TierStats
-
-StoreStatus = Literal["reserved", "already_stored", "no_space", "in_progress"]
+from lmcache_svc.results import LookupResult as LookupResult  # the cache's lookup answer
+from lmcache_svc.results import StoreStatus
+from lmcache_svc.tiers.base import Slot, TierStats
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,14 +34,6 @@ class PreparedStore:
     chunk_hash: ChunkHash
     status: StoreStatus
     slot: Slot | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class LookupResult:
-    num_hit_chunks: int
-    tiers: list[str]
-    media: list[Medium] = field(default_factory=list)
-    """The medium of the tier holding each hit chunk (``Tier.medium``)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -19,7 +19,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from lmcache_svc import errors
 from lmcache_svc.bench.procs import ServerProc, start_server
-from lmcache_svc.client import AsyncCacheClient, CacheClient
+from lmcache_svc.client import CacheClient
 from lmcache_svc.keys import chunk_hashes
 from lmcache_svc.v1 import cache_pb2 as pb
 from lmcache_svc.v1 import cache_pb2_grpc as pb_grpc
@@ -80,7 +80,7 @@ def test_store_in_one_process_load_in_another(server: ServerProc) -> None:
     assert run_py(load).split() == ["True", "3", "True"]
 
 
-def test_inline_put_get_delete_and_async_client(server: ServerProc) -> None:
+def test_inline_put_get_delete_and_a_second_client(server: ServerProc) -> None:
     hashes = chunk_hashes(NS, list(range(512)))
     with CacheClient(server.grpc, use_shm=False) as c:
         ns_id = c.register_namespace(NS)
@@ -89,17 +89,12 @@ def test_inline_put_get_delete_and_async_client(server: ServerProc) -> None:
         assert c.load(ns_id, hashes) == [make_chunk(0, CHUNK), make_chunk(1, CHUNK)]
         assert c.get(ns_id, [hashes[1], b"\0" * 32]) == [make_chunk(1, CHUNK), None]
 
-    async def use_async() -> tuple[object, ...]:
-        async with AsyncCacheClient(server.socket) as a:
-            await a.register_namespace(NS)
-            got = await a.get(ns_id, hashes)
-            found = await a.lookup(ns_id, hashes)
-            deleted = await a.delete(ns_id, hashes)
-            return got, found.num_hit_chunks, deleted, (await a.stats())["tiers"][0]["num_chunks"]
-
-    import asyncio
-
-    got, hits, deleted, left = asyncio.run(use_async())
+    with CacheClient(server.socket) as a:
+        a.register_namespace(NS)
+        got = a.get(ns_id, hashes)
+        hits = a.lookup(ns_id, hashes).num_hit_chunks
+        deleted = a.delete(ns_id, hashes)
+        left = a.stats()["tiers"][0]["num_chunks"]
     assert (
         got == [make_chunk(0, CHUNK), make_chunk(1, CHUNK)]
         and hits == 2
@@ -344,30 +339,6 @@ def test_stats_command(server: ServerProc) -> None:
     assert "cpu" in out.stdout and "256.0 MiB" in out.stdout
     down = run_cli("stats", "--url", "/tmp/nope.sock", "--timeout", "1")
     assert down.returncode == 1 and "unavailable" in down.stderr
-
-
-def test_async_client_uses_the_shared_segment(server: ServerProc) -> None:
-    import asyncio
-
-    hashes = chunk_hashes(NS, list(range(768)))
-    chunks = [make_chunk(i, CHUNK) for i in range(3)]
-
-    async def use_async() -> tuple[bool, int, list[bytes], int]:
-        async with AsyncCacheClient(server.socket) as a:
-            ns_id = await a.register_namespace(NS)
-            shm = await a.shm_available()
-            stored = await a.store(ns_id, hashes, chunks)
-            loaded = await a.load(ns_id, hashes)
-            lease = await a.prepare_load(ns_id, hashes[:2])
-            pinned = (await a.stats())["active_leases"]
-            await a.release_load(lease)
-            return shm, stored, loaded, pinned
-
-    shm, stored, loaded, pinned = asyncio.run(use_async())
-    assert shm and stored == 3 and loaded == chunks and pinned == 1
-    with CacheClient(server.grpc, use_shm=False) as c:
-        assert c.get(c.register_namespace(NS), hashes) == chunks
-        assert c.stats()["active_leases"] == 0
 
 
 def test_a_fixed_segment_name_survives_a_hard_kill(tmp_path: Path) -> None:
