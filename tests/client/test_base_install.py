@@ -87,7 +87,7 @@ for use_shm in (True, False):
         assert client.shm_available is use_shm
         ns_id = client.register_namespace(ns)
         assert client.store(ns_id, hashes, chunks) == 3
-        assert client.lookup(ns_id, hashes) == LookupResult(3, ["cpu"] * 3)
+        assert client.lookup(ns_id, hashes) == LookupResult(3, ["cpu"] * 3, ["host_memory"] * 3)
         assert client.load(ns_id, hashes) == chunks
         assert client.delete(ns_id, hashes) == 3
 assert not blocked, blocked
