@@ -105,9 +105,7 @@ class PageMover:
         """Enqueue the loads of every layer; wait per layer with ``wait_on_device``."""
         self.stream.follow_current()  # blocks being overwritten are not read meanwhile
         with self.stream.activate():
-            return LayerEvents(
-                [self._load_layer(i, chunks) for i in range(len(self.pages.layers))]
-            )
+            return LayerEvents([self._load_layer(i, chunks) for i in range(len(self.pages.layers))])
 
     def _load_layer(self, layer: int, chunks: Sequence[ChunkLoad]) -> CopyEvent:
         kv = self.pages.layers[layer]

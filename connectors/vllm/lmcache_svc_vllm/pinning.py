@@ -70,7 +70,7 @@ class HostPinner:
     def add_buffer(self, buffer: memoryview) -> bool:
         """Schedule the mapping that ``buffer`` is a slice of; False if already known (or the
         buffer is not a slice of an mmap-like exporter)."""
-        owner = buffer.obj
+        owner: Any = buffer.obj
         if owner is None or not hasattr(owner, "__len__"):
             return False
         base, size = address_of(owner), len(owner)
@@ -129,8 +129,9 @@ class HostPinner:
         """Wait until every scheduled part was tried (tests, benchmarks)."""
         with self._lock:
             return self._wake.wait_for(
-                lambda: self._closed
-                or len(self._registered) + len(self._failed) >= self._num_parts,
+                lambda: (
+                    self._closed or len(self._registered) + len(self._failed) >= self._num_parts
+                ),
                 timeout_s,
             )
 
