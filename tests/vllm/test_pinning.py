@@ -16,7 +16,7 @@ MiB = 1 << 20
 
 
 class Recorder:
-    def __init__(self, *, fail_at: set[int] = frozenset(), gate: threading.Event | None = None):
+    def __init__(self, *, fail_at: frozenset[int] = frozenset(), gate: threading.Event | None = None):
         self.registered: list[tuple[int, int, bool]] = []
         self.unregistered: list[int] = []
         self.fail_at = fail_at
@@ -67,7 +67,7 @@ def test_registration_never_blocks_the_caller_and_unregistered_parts_read_as_pag
 
 def test_a_failed_part_stays_pageable_and_is_not_unregistered() -> None:
     base = 1 << 40
-    rec = Recorder(fail_at={base + 4 * MiB})
+    rec = Recorder(fail_at=frozenset({base + 4 * MiB}))
     pinner = HostPinner(rec.register, rec.unregister, part_bytes=4 * MiB)
     pinner.add_range(base, 12 * MiB, read_only=False)
     assert pinner.wait_idle(10)
