@@ -16,7 +16,9 @@ MiB = 1 << 20
 
 
 class Recorder:
-    def __init__(self, *, fail_at: frozenset[int] = frozenset(), gate: threading.Event | None = None):
+    def __init__(
+        self, *, fail_at: frozenset[int] = frozenset(), gate: threading.Event | None = None
+    ):
         self.registered: list[tuple[int, int, bool]] = []
         self.unregistered: list[int] = []
         self.fail_at = fail_at
@@ -106,6 +108,15 @@ def test_slot_buffers_name_their_mapping_once_per_mapping(tmp_path: object) -> N
     pinner.close()
     view.release()
     rw.close()  # address_of kept no export of the mapping
+
+
+def test_buffers_of_inline_transfers_are_never_registered() -> None:
+    rec = Recorder()
+    pinner = HostPinner(rec.register, rec.unregister, part_bytes=4096)
+    assert not pinner.add_buffer(memoryview(bytearray(8192))[4096:])
+    assert not pinner.add_buffer(memoryview(b"x" * 4096))
+    pinner.close()
+    assert rec.registered == []
 
 
 def test_bad_part_size_is_refused() -> None:

@@ -19,6 +19,7 @@ ones (CUDA only); tests pass recording functions.
 from __future__ import annotations
 
 import logging
+import mmap
 import threading
 from collections import deque
 from collections.abc import Callable
@@ -68,10 +69,11 @@ class HostPinner:
         self._thread: threading.Thread | None = None
 
     def add_buffer(self, buffer: memoryview) -> bool:
-        """Schedule the mapping that ``buffer`` is a slice of; False if already known (or the
-        buffer is not a slice of an mmap-like exporter)."""
+        """Schedule the mapping that ``buffer`` is a slice of; False if already known or not
+        a slice of an ``mmap`` (inline transfers hand out short-lived ``bytearray``s, which
+        must never be registered)."""
         owner: Any = buffer.obj
-        if owner is None or not hasattr(owner, "__len__"):
+        if not isinstance(owner, mmap.mmap):
             return False
         base, size = address_of(owner), len(owner)
         return self.add_range(base, size, read_only=buffer.readonly)

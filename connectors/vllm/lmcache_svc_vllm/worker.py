@@ -51,7 +51,9 @@ class WorkerSide:
         *,
         num_blocks: int,
         page_order: str,
+        layerwise: bool | None = None,
     ) -> None:
+        """``layerwise``: per-layer load waits and saves (default: on CUDA only)."""
         self.namespace = namespace
         self.tp_rank = namespace.tp_rank
         self.link = link
@@ -62,7 +64,8 @@ class WorkerSide:
         self._pages: KVPages | None = None
         self._mover: PageMover | None = None
         self._layer_ids: dict[str, int] = {}
-        self._layerwise = False  # CUDA: per-layer waits and saves
+        self._layerwise_choice = layerwise
+        self._layerwise = False
         self._pinner: HostPinner | None = None
         self._step_loads: list[LayerEvents] = []
         self._step_plan: StepPlan | None = None
@@ -99,8 +102,9 @@ class WorkerSide:
         self._pages = pages
         self._mover = PageMover(pages, copy_stream_for(pages.device))
         self._layer_ids = {n: i for i, n in enumerate(sorted(kv_caches, key=layer_sort_key))}
-        if pages.device.type == "cuda":
-            self._layerwise = True
+        is_cuda = pages.device.type == "cuda"
+        self._layerwise = is_cuda if self._layerwise_choice is None else self._layerwise_choice
+        if is_cuda:
             self._pinner = HostPinner(*cuda_host_registrar())
         self._io.submit(self.link.warm_up)
         logger.info(
