@@ -123,6 +123,23 @@ class RedisConfig(_Section):
         return self
 
 
+class HbmConfig(_Section):
+    capacity: ByteSize | None = Field(None, gt=0)
+    """GPU memory the server holds as the HBM tier (a CUDA IPC pool, docs/gpu.md); no HBM
+    tier when unset. Needs a CUDA build of torch and a visible device, else start-up fails."""
+    device: int = Field(0, ge=0)
+    """CUDA device index of the HBM tier's pool."""
+    slab: ByteSize | None = Field(None, ge=4096)
+    """Slab size of the pool's allocator. Default: capacity / 16, at most 64 MiB."""
+    accept_demotions: bool = True
+    """Chunks evicted from the arena move here (before SSD and Redis)."""
+
+    def slab_bytes(self) -> int:
+        if self.slab is not None:
+            return int(self.slab)
+        return min(64 << 20, max(4096, int(self.capacity or 0) // 16 // 4096 * 4096))
+
+
 class CacheConfig(_Section):
     high_watermark: float = Field(0.95, gt=0, le=1)
     """Background eviction starts when the arena is fuller than this fraction."""
@@ -234,6 +251,7 @@ class Config(_Section):
     """Where to write a JSON line with the bound addresses once serving (for supervisors)."""
     http: HttpConfig = Field(default_factory=HttpConfig)
     cpu: CpuConfig = Field(default_factory=CpuConfig)
+    hbm: HbmConfig = Field(default_factory=HbmConfig)
     ssd: SsdConfig = Field(default_factory=SsdConfig)
     redis: RedisConfig = Field(default_factory=RedisConfig)
     cache: CacheConfig = Field(default_factory=CacheConfig)

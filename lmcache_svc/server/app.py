@@ -38,7 +38,8 @@ log = logging.getLogger("lmcache_svc")
 
 
 def build_cache(config: Config) -> TieredCache:
-    """The tiers in order (CPU arena, then SSD and Redis when configured) and the policy."""
+    """The tiers in order (CPU arena, then HBM, SSD and Redis when configured) and the
+    policy."""
     c = config.cpu
     arena = Arena.create(
         int(c.capacity),
@@ -49,6 +50,13 @@ def build_cache(config: Config) -> TieredCache:
     )
     lower: list[tuple[Tier, TierPolicy]] = []
     try:
+        h = config.hbm
+        if h.capacity is not None:
+            from lmcache_svc.tiers.hbm import DevicePool, HbmTier
+
+            pool = DevicePool.allocate(int(h.capacity), h.device)  # ConfigError without CUDA
+            hbm = HbmTier(pool, slab_bytes=h.slab_bytes())
+            lower.append((hbm, TierPolicy(h.accept_demotions, write_through=False)))
         s = config.ssd
         if s.path is not None:
             from lmcache_svc.tiers.ssd import SsdTier

@@ -48,7 +48,22 @@ def _redis_cluster(tmp_path: Path, request: pytest.FixtureRequest) -> Tier:
     return RedisTier(cluster.url, CAPACITY_CHUNKS * (CHUNK + 128), cluster=True, key_prefix=prefix)
 
 
-FACTORIES = {"cpu": _cpu, "ssd": _ssd, "redis": _redis, "redis_cluster": _redis_cluster}
+def _hbm(tmp_path: Path, request: pytest.FixtureRequest) -> Tier:
+    # the HBM tier over a CPU tensor (its allocator seam): all of it but the device copies
+    torch = pytest.importorskip("torch", reason="the HBM tier needs torch (the [torch] extra)")
+    from lmcache_svc.tiers.hbm import DevicePool, HbmTier
+
+    pool = DevicePool(torch.zeros(CAPACITY_CHUNKS * CHUNK, dtype=torch.uint8))
+    return HbmTier(pool, slab_bytes=CHUNK)
+
+
+FACTORIES = {
+    "cpu": _cpu,
+    "ssd": _ssd,
+    "redis": _redis,
+    "redis_cluster": _redis_cluster,
+    "hbm": _hbm,
+}
 
 
 @pytest.fixture(params=sorted(FACTORIES))

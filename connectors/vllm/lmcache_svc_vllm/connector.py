@@ -147,12 +147,14 @@ class LMCacheSvcConnector(KVConnectorBase_V1):
             self._worker.start_load(self._plan())
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return
+        if self._worker is not None:
+            self._worker.wait_for_layer(layer_name)
 
     def save_kv_layer(
         self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
     ) -> None:
-        return
+        if self._worker is not None and self.has_connector_metadata():
+            self._worker.save_layer(layer_name)
 
     def wait_for_save(self) -> None:
         if self._worker is not None and self.has_connector_metadata():
