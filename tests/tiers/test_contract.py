@@ -281,7 +281,13 @@ def test_batch_read_reports_a_corrupted_item_and_keeps_the_others(faulty: Faulty
     assert tier.num_chunks == 2  # the corrupted chunk was dropped and left the accounting
 
 
-EXPECTED_MEDIA = {"cpu": "host_memory", "ssd": "disk", "redis": "remote", "redis_cluster": "remote"}
+EXPECTED_MEDIA = {
+    "cpu": "host_memory",
+    "hbm": "device",
+    "ssd": "disk",
+    "redis": "remote",
+    "redis_cluster": "remote",
+}
 
 
 def test_each_tier_says_where_it_keeps_its_bytes(

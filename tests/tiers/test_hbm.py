@@ -13,7 +13,7 @@ import pytest
 
 pytest.importorskip("torch", reason="the HBM tier needs torch (the [torch] extra)")
 import torch
-from lmcache_svc.policy import TierPolicy
+from lmcache_svc.cache.values import TierPolicy
 
 from lmcache_svc.arena import Arena
 from lmcache_svc.cache import TieredCache
