@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import random
 import shlex
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -132,7 +133,6 @@ def serve_args(p: Params) -> list[str]:
         "--num-gpu-blocks-override", str(p.num_blocks),
         "--enable-prefix-caching",
         "--enforce-eager",
-        "--disable-log-stats",
     ]  # fmt: skip
 
 
@@ -204,6 +204,7 @@ def run_config(
         ctx.out_dir.mkdir(parents=True, exist_ok=True)
         cargs = client_args(p, vllm.url, model_dir, trace, result_path)
         wall_s = run_client(cargs, ctx.work_dir / f"client-{name}.log", CLIENT_TIMEOUT_S)
+        time.sleep(1.0)  # the last steps' stats and the last stores' commits
         after, side_after = vllm.metrics(), _sidecar_metrics(server)
         ctx.progress(f"{name}: client done in {wall_s:.0f} s")
         return ConfigResult.collect(
