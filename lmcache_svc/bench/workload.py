@@ -238,4 +238,4 @@ def _json(value: Any) -> str:
 
 
 def _command(args: list[str]) -> str:
-    return "vllm bench serve " + shlex.join(args)
+    return "PYTHONHASHSEED=0 vllm bench serve " + shlex.join(args)

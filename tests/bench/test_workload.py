@@ -104,7 +104,7 @@ def test_quick_mode_end_to_end(tmp_path: Path) -> None:
         assert r["client"]["completed"] == num_requests and r["client"]["failed"] == 0
         assert r["client"]["mean_ttft_ms"] > 0 and r["client"]["request_throughput"] > 0
         assert r["vllm"]["prefix_cache_queries"] > 0
-        assert r["command"].startswith("vllm bench serve --backend openai")
+        assert r["command"].startswith("PYTHONHASHSEED=0 vllm bench serve --backend openai")
     assert results["plain"]["vllm"]["external_prefix_cache_hits"] == 0
     for name in ("arena", "ssd"):  # the server served hits that vLLM had evicted
         assert results[name]["vllm"]["external_prefix_cache_hits"] > 0
