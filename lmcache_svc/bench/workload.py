@@ -125,9 +125,16 @@ def params(ctx: BenchContext) -> Params:
     return p
 
 
+def max_model_len(p: Params) -> int:
+    """The longest request, in whole blocks: vLLM refuses a max_model_len its KV space
+    could not hold."""
+    c = p.conversations
+    return -(-(c.prompt_tokens(c.num_turns) + c.output_tokens) // BLOCK_SIZE) * BLOCK_SIZE
+
+
 def serve_args(p: Params) -> list[str]:
     return [
-        "--max-model-len", str(MAX_MODEL_LEN),
+        "--max-model-len", str(max_model_len(p)),
         "--max-num-batched-tokens", str(MAX_NUM_BATCHED_TOKENS),
         "--block-size", str(BLOCK_SIZE),
         "--num-gpu-blocks-override", str(p.num_blocks),
