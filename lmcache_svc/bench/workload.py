@@ -162,6 +162,7 @@ def client_args(p: Params, url: str, model_dir: Path, trace: Path, result: Path)
         "--percentile-metrics", "ttft,tpot,e2el",
         "--metric-percentiles", "50,99",
         "--save-result",
+        "--save-detailed",
         "--result-dir", str(result.parent),
         "--result-filename", result.name,
         "--disable-tqdm",
