@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from lmcache_svc.bench.report import Progress
 from lmcache_svc.bench.runner import BenchContext, run_benchmark
 from lmcache_svc.bench.vllm.engines import VLLM_PYTHON
 from lmcache_svc.bench.workload import params
@@ -18,7 +19,7 @@ from lmcache_svc.bench.workload_trace import Conversations, trace_lines, write_t
 
 
 def _ctx(tmp_path: Path, **options: str) -> BenchContext:
-    return BenchContext("workload", True, tmp_path, tmp_path, print, dict(options))
+    return BenchContext("workload", True, tmp_path, tmp_path, Progress("workload"), dict(options))
 
 
 def _conversations(**kw: int) -> Conversations:
