@@ -5,6 +5,8 @@ from __future__ import annotations
 import pytest
 from lmcache_svc_vllm.config import ConnectorConfig, default_chunk_size, parse_config
 
+from lmcache_svc.bench.vllm_common import BLOCK_SIZE
+from lmcache_svc.bench.vllm_ttft import PLUGIN_DEFAULT_CHUNK
 from lmcache_svc.errors import ConfigError
 
 
@@ -76,6 +78,11 @@ def test_default_chunk_is_the_smallest_block_multiple_of_128_tokens(
     assert default_chunk_size(block_size) == chunk_size
     resolved = parse_config({}).for_block_size(block_size)
     assert resolved.chunk_size == resolved.resolved_chunk_size() == chunk_size
+
+
+def test_benchmarks_know_the_default() -> None:
+    """``bench ttft`` (which cannot import the plugin) counts (b)'s chunks with its own copy."""
+    assert default_chunk_size(BLOCK_SIZE) == PLUGIN_DEFAULT_CHUNK
 
 
 def test_a_configured_chunk_size_is_kept() -> None:
