@@ -254,4 +254,6 @@ def _served_gap(results: dict[str, Results], name: str, other: str, cell: Cell) 
     if any(s.num_cached_tokens == 0 for s in results[name][cell]):
         return "a lookup timed out in that cell (that request was computed in full)"
     gap = _served(results, other, cell) - _served(results, name, cell)
-    return f"({other}) served {gap} more tokens in that cell (chunk alignment)" if gap > 0 else ""
+    if gap > 0:
+        return f"({other}) served {gap} more tokens in that cell (chunk alignment)"
+    return f"({name}) served as many tokens as ({other}) there: the difference is the load itself"
