@@ -18,6 +18,9 @@ Measured for each index size and each prompt shape (full hit, miss at chunk 0, m
   ``POST /v1/lookup`` (httpx, one keep-alive connection);
 - baselines: a gRPC health check on the same channel (the transport's floor) and a Python
   dict lookup of the same 128 keys in a dict of the same size (the data structure's floor).
+
+At the largest index size, the same 32k-token prompt at 256-, 128- and 16-token chunks
+(``lookup_chunks.py``): what the vLLM plugin's chunk size costs per request.
 """
 
 from __future__ import annotations
@@ -339,12 +342,29 @@ def run(ctx: BenchContext) -> Report:
         with inprocess_cache(capacity) as cache:
             cache.register_namespace(ns)
             _run_sizes(ctx, report, cache, clients, ns.namespace_id, sizes, iters)
+            _run_chunk_sizes(ctx, report, cache, clients.socket, ns.namespace_id, sizes[-1], iters)
     finally:
         if clients is not None:
             clients.close()
         server.stop()
         server.cleanup()
     return report
+
+
+def _run_chunk_sizes(
+    ctx: BenchContext,
+    report: Report,
+    cache: TieredCache,
+    client: CacheClient,
+    ns_id: bytes,
+    num_indexed: int,
+    iters: int,
+) -> None:
+    from lmcache_svc.bench.lookup_chunks import add_chunk_size_table, measure_chunk_sizes
+
+    ctx.progress(f"{num_indexed:,} chunks: one prompt at several chunk sizes")
+    costs = measure_chunk_sizes(cache, client, ns_id, num_indexed, iters)
+    add_chunk_size_table(report, costs, num_indexed)
 
 
 def _run_sizes(

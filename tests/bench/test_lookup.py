@@ -49,7 +49,11 @@ def test_quick_mode(tmp_path: Path) -> None:
     data = json.loads((tmp_path / "lookup.json").read_text())
     assert (tmp_path / "lookup.md").read_text().startswith("## bench lookup (quick)")
     assert set(data["data"]["sizes"]) == {"2000", "20000"}
-    (table,) = report.tables
+    table, by_chunk = report.tables
+    # One 32k-token prompt as 256-, 128- and 16-token chunks: more chunks, more to look up.
+    assert [row[:2] for row in by_chunk.rows] == [[256, 128], [128, 256], [16, 2048]]
+    assert all(math.isfinite(v) and v > 0 for row in by_chunk.rows for v in row[2:])
+    assert by_chunk.rows[2][2] > by_chunk.rows[0][2]  # server-side: 2,048 keys vs 128
     paths = {row[1] for row in table.rows}
     assert {
         "server-side (cache.lookup)",

@@ -73,6 +73,8 @@ class LMCacheSvcConnector(KVConnectorBase_V1):
         except UnsupportedEngine as e:
             logger.error("lmcache-svc plugin disabled: %s", e)
             return
+        # The chunk size now that the block size is known (default: from the block size).
+        self._config = self._config.for_block_size(engine.block_size)
         if role == KVConnectorRole.SCHEDULER:
             self._scheduler = self._make_scheduler(engine)
             self._set_load_failure_policy()
@@ -89,7 +91,7 @@ class LMCacheSvcConnector(KVConnectorBase_V1):
             namespaces[0].namespace_id.hex(),
             engine.model_id,
             self._config.tenant,
-            self._config.chunk_size,
+            namespaces[0].chunk_size,
             namespaces[0].chunk_bytes,
         )
         kv_config = self._kv_transfer_config

@@ -77,7 +77,9 @@ class SchedulerSide:
         self.load_enabled, self.save_enabled = load, save
         self.namespaces = list(namespaces)
         self.block_size = block_size
-        self.blocks_per_chunk = config.chunk_size // block_size
+        # The namespaces carry the resolved chunk size (the config's may be unset: default).
+        self.chunk_size = self.namespaces[0].chunk_size
+        self.blocks_per_chunk = self.chunk_size // block_size
         self.link = link
         self.stats = stats
         self._requests: dict[str, RequestState] = {}
@@ -103,7 +105,7 @@ class SchedulerSide:
             return None, False  # vLLM asks again next step
         if not self.load_enabled:
             return 0, False
-        chunk = self.config.chunk_size
+        chunk = self.chunk_size
         cap = (state.num_prompt_tokens - 1) // chunk * chunk
         hit_tokens = min(state.num_hit_chunks * chunk, cap)
         num_external = hit_tokens - num_computed_tokens
@@ -118,7 +120,7 @@ class SchedulerSide:
         if token_ids is None:
             return None
         state = RequestState(len(token_ids), started=time.monotonic())
-        if len(token_ids) >= self.config.chunk_size:
+        if len(token_ids) >= self.chunk_size:
             state.pending = self._lookups.submit(self._lookup, token_ids)
         return state
 
@@ -149,7 +151,7 @@ class SchedulerSide:
 
     def _apply(self, state: RequestState, answer: LookupAnswer) -> None:
         state.hashes = answer.hashes
-        chunk = self.config.chunk_size
+        chunk = self.chunk_size
         self.stats.time("lookup_seconds", answer.seconds)
         self.stats.add(lookups=1, lookup_query_tokens=len(answer.hashes[0]) * chunk)
         if answer.result is None:
@@ -172,7 +174,7 @@ class SchedulerSide:
         state = self._requests.get(request_id)
         if state is None or num_external_tokens <= 0:
             return {}
-        chunk = self.config.chunk_size
+        chunk = self.chunk_size
         end = state.load_start + num_external_tokens
         counts: dict[str, int] = {}
         for i in range(state.load_start // chunk, -(-end // chunk)):
@@ -190,7 +192,7 @@ class SchedulerSide:
         if state is None or num_external_tokens <= 0:
             return
         start, end = state.load_start, state.load_start + num_external_tokens
-        chunk, bs = self.config.chunk_size, self.block_size
+        chunk, bs = self.chunk_size, self.block_size
         first_chunk, last_chunk = start // chunk, -(-end // chunk)
         plan = LoadPlan(
             req_id=request.request_id,
@@ -220,7 +222,7 @@ class SchedulerSide:
         state = self._requests.get(req_id)
         if state is None or not self.save_enabled:
             return None
-        num_full = min(num_tokens_after, state.num_prompt_tokens) // self.config.chunk_size
+        num_full = min(num_tokens_after, state.num_prompt_tokens) // self.chunk_size
         num_full = min(num_full, len(state.hashes[0]))  # no hashes if the lookup was lost
         start = state.num_saved_chunks
         if num_full <= start:
