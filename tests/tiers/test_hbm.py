@@ -13,10 +13,10 @@ import pytest
 
 pytest.importorskip("torch", reason="the HBM tier needs torch (the [torch] extra)")
 import torch
-from lmcache_svc.cache.values import TierPolicy
 
 from lmcache_svc.arena import Arena
 from lmcache_svc.cache import TieredCache
+from lmcache_svc.cache.values import TierPolicy
 from lmcache_svc.config import load_config
 from lmcache_svc.errors import ConfigError, InvalidArgument
 from lmcache_svc.keys import ChunkKey, KVLayout, Namespace
