@@ -43,6 +43,7 @@ from lmcache_svc.errors import (
     UnknownNamespace,
 )
 from lmcache_svc.first_tier import FirstTier
+from lmcache_svc.index_publisher import IndexPublisher
 from lmcache_svc.keys import (
     ChunkHash,
     ChunkKey,
@@ -77,6 +78,7 @@ class TieredCache:
         *,
         settings: CacheSettings | None = None,
         metrics: Metrics | None = None,
+        lookup_index: IndexPublisher | None = None,
     ) -> None:
         if not isinstance(first, SlotTier):
             raise TypeError("the first tier must be a SlotTier (clients address it in place)")
@@ -86,6 +88,10 @@ class TieredCache:
         self._lower = LowerTiers(lower, self.metrics)
         self._lock = threading.RLock()
         self._index = ChunkIndex(first.slot_of)
+        self.lookup_index = lookup_index
+        if lookup_index is not None:  # published chunks: see index_publisher.py
+            self._index.on_change = lookup_index.changed
+            lookup_index.set_lower_tiers(bool(lower))
         self._first_tier = FirstTier(
             first,
             self._index,
@@ -140,6 +146,9 @@ class TieredCache:
             self._maintenance.join(timeout=10)
         self._write_through.stop()
         self._checksummer.stop()
+        if self.lookup_index is not None:
+            with self._lock:
+                self.lookup_index.close()
         self._first.close()
         self._lower.close()
 
@@ -175,6 +184,8 @@ class TieredCache:
                     "(cache.max_namespaces); registered ones keep working"
                 )
             self._namespaces[namespace.namespace_id] = namespace
+            if self.lookup_index is not None:
+                self.lookup_index.add_namespace(namespace)
             return namespace
 
     def namespace(self, namespace_id: bytes) -> Namespace:
@@ -489,7 +500,7 @@ class TieredCache:
                     found = True
                     entry = self._index.entry(key)
                     if entry is not None and entry.pins:
-                        entry.doomed = True
+                        self._index.doom(key, entry)
                     else:
                         self._first_tier.free(key)
             num += self._lower.delete(key) or found

@@ -54,6 +54,8 @@ class ChunkIndex:
         self._owned_bytes: dict[str | None, int] = {}  # reserved + quarantined, per owner
         self.detached: set[ChunkKey] = set()
         """Keys evicted from the index whose bytes are being demoted (not yet freed)."""
+        self.on_change: Callable[[ChunkKey, bool], None] | None = None
+        """Told when a chunk becomes readable (True) or stops being so (the lookup index)."""
 
     def __contains__(self, key: ChunkKey) -> bool:
         return key in self._items
@@ -98,6 +100,8 @@ class ChunkIndex:
         entry.ready, entry.owner = True, None
         self._pending.discard(key)
         self.settle(key, entry)
+        if self.on_change is not None:
+            self.on_change(key, True)
 
     def quarantine(self, key: ChunkKey, entry: Entry) -> None:
         """An expired reservation: no longer pending, never committable, slot kept."""
@@ -140,9 +144,17 @@ class ChunkIndex:
     def touch(self, key: ChunkKey) -> None:
         self._items.move_to_end(key)
 
+    def doom(self, key: ChunkKey, entry: Entry) -> None:
+        """Deleted (or found corrupted) while pinned: unreadable now, freed at the last unpin."""
+        entry.doomed = True
+        if self.on_change is not None:
+            self.on_change(key, False)
+
     def remove(self, key: ChunkKey) -> Slot:
         slot = self.slot_of(key)
         entry = self._items.pop(key)
+        if self.on_change is not None and (entry is None or entry.ready):
+            self.on_change(key, False)
         if entry is not None:
             self._disown(entry)
         self._pending.discard(key)

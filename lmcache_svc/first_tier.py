@@ -205,7 +205,7 @@ class FirstTier:
             with self._lock:
                 entry = self._index.entry(key)
                 if entry is not None:
-                    entry.doomed = True
+                    self._index.doom(key, entry)
         return False
 
     def _clear_sum(self, slot: Slot) -> None:

@@ -21,6 +21,7 @@ from lmcache_svc.arena import Arena, remove_orphan_segments
 from lmcache_svc.cache import TieredCache
 from lmcache_svc.config import Config
 from lmcache_svc.errors import ConfigError
+from lmcache_svc.index_publisher import lookup_index
 from lmcache_svc.memories.store import MemoryStore
 from lmcache_svc.metrics import Metrics
 from lmcache_svc.policy import CacheSettings, TierPolicy
@@ -93,7 +94,9 @@ def build_cache(config: Config) -> TieredCache:
         max_chunk_bytes=int(config.max_body_bytes),
         checksums=k.checksums,
     )
-    return TieredCache(CpuTier(arena), lower, settings=settings, metrics=Metrics())
+    first = CpuTier(arena)
+    index = lookup_index(config, first.name)
+    return TieredCache(first, lower, settings=settings, metrics=Metrics(), lookup_index=index)
 
 
 def build_memory_store(config: Config) -> MemoryStore:
