@@ -97,10 +97,11 @@ class CacheClient:
         client_name: str = "",
         use_shm: bool = True,
         auth_token: str | None = None,
-        local_lookup: bool = True,
+        local_lookup: bool = False,
     ) -> None:
         """``local_lookup``: answer ``lookup`` from the server's shared-memory index when the
-        session (opened by any shared-memory call, or ``shm_available``) mapped it here."""
+        session (opened by any shared-memory call, or ``shm_available``) mapped it here; the
+        server's lookup metrics then count only the lookups that reach it."""
         self._target = grpc_target(address)
         self.timeout_s = timeout_s
         self._client_name = client_name

@@ -32,11 +32,14 @@ memory model (stores are seen in program order), which is where this runs.
 A miss is final only when the table is complete: ``FLAG_INCOMPLETE`` (overflow) or
 ``FLAG_LOWER_TIERS`` (the server has tiers below the arena, whose chunks are hits for
 ``Lookup`` but are not indexed here) make a short answer ``None``, and the client asks the
-server. ``FLAG_CLOSED``: the server stopped; nothing here is current any more.
+server. ``FLAG_CLOSED``: the server stopped; nothing here is current any more. A server
+that was killed cannot say so: the reader then finds the segment's lock (held by the server
+for its lifetime, as the arena's is) free, and answers nothing either.
 """
 
 from __future__ import annotations
 
+import fcntl
 import mmap
 import os
 import secrets
@@ -242,8 +245,9 @@ class IndexAnswer:
 class IndexReader:
     """A client's read-only mapping of one tenant's table. Thread-safe (reads only)."""
 
-    def __init__(self, mm: mmap.mmap, tenant: str, tier_name: str) -> None:
+    def __init__(self, mm: mmap.mmap, fd: int, tenant: str, tier_name: str) -> None:
         self._mm = mm
+        self._fd: int | None = fd  # to ask whether the server still holds its lock
         self._words = memoryview(mm).cast("Q")
         self.num_slots = self._words[W_SLOTS]
         self._slots = self._words[HEADER_BYTES // 8 :]
@@ -270,9 +274,8 @@ class IndexReader:
                 return None
             mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ)
         except OSError:
-            return None
-        finally:
             os.close(fd)
+            return None
         buf = memoryview(mm)
         words = buf.cast("Q")
         ok = (
@@ -287,16 +290,34 @@ class IndexReader:
         buf.release()
         if tenant is None or tier is None:
             mm.close()
+            os.close(fd)
             return None
-        return cls(mm, tenant, tier)
+        return cls(mm, fd, tenant, tier)
 
     @property
     def closed(self) -> bool:
-        return self._mm.closed or bool(self._words[W_FLAGS] & FLAG_CLOSED)
+        return self._fd is None or bool(self._words[W_FLAGS] & FLAG_CLOSED)
+
+    def _server_alive(self) -> bool:
+        """Whether the server still holds the segment's lock (it does for its lifetime; a
+        killed server never marks its table closed). One failing ``flock`` call."""
+        fd = self._fd
+        if fd is None:
+            return False
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True  # the server's exclusive lock: alive
+        except OSError:
+            return False
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return False
 
     def lookup(self, chunk_hashes: Sequence[bytes]) -> IndexAnswer | None:
         """Leading chunks indexed; None when the table is closed or kept changing under the
         reads (the caller asks the server)."""
+        if not self._server_alive():
+            return None
         fps = [fingerprint(h) for h in chunk_hashes]
         words, slots, mask = self._words, self._slots, self._mask
         limit = self.num_slots
@@ -327,9 +348,9 @@ class IndexReader:
         return None
 
     def close(self) -> None:
-        self._slots.release()
-        self._words.release()
-        self._mm.close()
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            os.close(fd)
 
 
 def open_index_segments(segments: Iterable[object]) -> dict[str, IndexReader]:

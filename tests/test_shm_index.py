@@ -189,3 +189,24 @@ def test_reader_racing_writer_never_reports_an_absent_key() -> None:
         seg.close()
     assert not errors, errors[:3]
     assert answered[0] > 1000  # the seqlock rarely gives up
+
+
+def test_a_killed_server_s_table_answers_nothing() -> None:
+    """A server killed by SIGKILL never marks its table closed; its lock goes with it."""
+    seg = IndexSegment("acme", "cpu", 64)
+    reader = _reader(seg)
+    h = random.Random(6).randbytes(32)
+    seg.table.insert(h)
+    answer = reader.lookup([h])
+    assert answer is not None and answer.num_hit_chunks == 1
+    # What the kernel does for a killed process: every descriptor closed (the mapping
+    # holds a duplicate of the locked one), nothing marked, nothing unlinked.
+    seg.table.release()
+    seg._buf.release()  # noqa: SLF001
+    seg._mm.close()  # noqa: SLF001
+    os.close(seg._fd)  # noqa: SLF001
+    seg._fd = -1  # noqa: SLF001
+    try:
+        assert reader.lookup([h]) is None
+    finally:
+        os.unlink(f"/dev/shm/{seg.name}")

@@ -100,8 +100,8 @@ class Served:
         servicer.stop()
         await server.stop(grace=None)
 
-    def client(self, token: str, **kwargs: object) -> CacheClient:
-        return CacheClient(self.socket, auth_token=token, **kwargs)  # type: ignore[arg-type]
+    def client(self, token: str, local_lookup: bool = True) -> CacheClient:
+        return CacheClient(self.socket, auth_token=token, local_lookup=local_lookup)
 
     def close(self) -> None:
         self._stopped.set()
