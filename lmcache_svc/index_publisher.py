@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 from lmcache_svc.errors import ConfigError
 from lmcache_svc.keys import NAMESPACE_ID_BYTES, ChunkKey, Namespace
-from lmcache_svc.shm_index import IndexSegment, check_num_slots
+from lmcache_svc.shm_index import BEAT_S, IndexSegment, check_num_slots
 
 if TYPE_CHECKING:
     from lmcache_svc.config import Config
@@ -60,6 +60,16 @@ class IndexPublisher:
         self._by_namespace: dict[bytes, IndexSegment] = {}
         self._closed = False
         self._warned_full = False
+        self._stop = threading.Event()
+        self._beater = threading.Thread(target=self._beat, name="lookup-index-beat", daemon=True)
+        self._beater.start()
+
+    def _beat(self) -> None:
+        """Stamp every table each ``BEAT_S``: a client stops trusting a hung server's."""
+        while not self._stop.wait(BEAT_S):
+            with self._lock:
+                for seg in self._tenants.values():
+                    seg.table.beat()
 
     def set_lower_tiers(self, on: bool) -> None:
         """The cache has tiers below the arena: a miss in a table is not final."""
@@ -120,6 +130,7 @@ class IndexPublisher:
     def close(self) -> None:
         """Mark every table closed (clients stop reading it) and remove the segments; the
         caller holds the cache's lock (no ``changed`` runs meanwhile)."""
+        self._stop.set()
         with self._lock:
             self._closed = True
             segs, self._tenants, self._by_namespace = list(self._tenants.values()), {}, {}

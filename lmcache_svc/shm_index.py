@@ -9,7 +9,9 @@ Layout (native little-endian uint64 words):
 
 - bytes 0-4095, the header: word 0 ``MAGIC``, words 1-2 a random nonce (the client checks
   it against the one its session announced), word 3 the number of slots (a power of two),
-  word 4 the sequence counter, word 5 the number of entries, word 6 flags, then the tenant
+  word 4 the sequence counter, word 5 the number of entries, word 6 flags, word 7 the
+server's heartbeat (``CLOCK_MONOTONIC`` in ns, one clock for every process of a host), then
+the tenant
   (``TENANT_OFFSET``, length-prefixed UTF-8) and the first tier's name (``TIER_OFFSET``);
 - then one word per slot: 0 for empty, else a fingerprint (the first 8 bytes of the chunk
   hash, a sha256 digest; 0 is stored as 1).
@@ -34,7 +36,9 @@ A miss is final only when the table is complete: ``FLAG_INCOMPLETE`` (overflow) 
 ``Lookup`` but are not indexed here) make a short answer ``None``, and the client asks the
 server. ``FLAG_CLOSED``: the server stopped; nothing here is current any more. A server
 that was killed cannot say so: the reader then finds the segment's lock (held by the server
-for its lifetime, as the arena's is) free, and answers nothing either.
+for its lifetime, as the arena's is) free, and answers nothing either. A server that hangs
+(SIGSTOP, a stuck process) stops stamping its heartbeat; ``STALE_S`` later its tables
+answer nothing and the client's gRPC Lookup meets its deadline, as without the index.
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ import fcntl
 import mmap
 import os
 import secrets
+import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -50,7 +55,7 @@ from lmcache_svc.errors import ConfigError, InvalidArgument
 
 MAGIC = int.from_bytes(b"LMCSVCI1", "little")
 HEADER_BYTES = 4096
-W_MAGIC, W_NONCE0, W_NONCE1, W_SLOTS, W_SEQ, W_COUNT, W_FLAGS = range(7)
+W_MAGIC, W_NONCE0, W_NONCE1, W_SLOTS, W_SEQ, W_COUNT, W_FLAGS, W_BEAT = range(8)
 TENANT_OFFSET = 64
 TENANT_MAX_BYTES = 1024
 TIER_OFFSET = TENANT_OFFSET + 8 + TENANT_MAX_BYTES
@@ -60,6 +65,11 @@ FLAG_INCOMPLETE = 2
 FLAG_CLOSED = 4
 MAX_LOAD = 0.75
 MAX_READ_TRIES = 64
+BEAT_S = 0.02
+"""How often the server stamps each table (``IndexTable.beat``)."""
+STALE_S = 0.25
+"""A table whose stamp is older than this is not answered from (a hung server)."""
+STALE_NS = int(STALE_S * 1e9)
 INDEX_TRANSPORT = "shm-index"
 """``Segment.transport`` of an index segment in the session's first event."""
 
@@ -122,6 +132,7 @@ class IndexTable:
         w[W_NONCE0] = int.from_bytes(self.nonce[:8], "little")
         w[W_NONCE1] = int.from_bytes(self.nonce[8:], "little")
         w[W_SLOTS], w[W_SEQ], w[W_COUNT], w[W_FLAGS] = num_slots, 0, 0, 0
+        w[W_BEAT] = time.monotonic_ns()
         w[W_MAGIC] = MAGIC  # last: a reader never trusts a half-written header
 
     @property
@@ -146,6 +157,10 @@ class IndexTable:
     def set_lower_tiers(self, on: bool) -> None:
         """Whether a chunk missing here may still be a hit (in a tier below the arena)."""
         self._set_flag(FLAG_LOWER_TIERS, on)
+
+    def beat(self) -> None:
+        """Stamp the table: the server is alive and keeps it current."""
+        self._words[W_BEAT] = time.monotonic_ns()
 
     def mark_closed(self) -> None:
         self._set_flag(FLAG_CLOSED, True)
@@ -316,7 +331,7 @@ class IndexReader:
     def lookup(self, chunk_hashes: Sequence[bytes]) -> IndexAnswer | None:
         """Leading chunks indexed; None when the table is closed or kept changing under the
         reads (the caller asks the server)."""
-        if not self._server_alive():
+        if time.monotonic_ns() - self._words[W_BEAT] > STALE_NS or not self._server_alive():
             return None
         fps = [fingerprint(h) for h in chunk_hashes]
         words, slots, mask = self._words, self._slots, self._mask

@@ -6,13 +6,17 @@ import os
 import random
 import sys
 import threading
+import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 
 import pytest
 
 from lmcache_svc.errors import InvalidArgument
 from lmcache_svc.shm_index import (
+    BEAT_S,
     INDEX_TRANSPORT,
+    STALE_S,
     IndexReader,
     IndexSegment,
     answer_locally,
@@ -22,10 +26,30 @@ from lmcache_svc.shm_index import (
 from lmcache_svc.v1 import cache_pb2 as pb
 
 
+@contextmanager
+def beating(seg: IndexSegment) -> Iterator[None]:
+    """Stamp the table's heartbeat meanwhile, as the server's publisher does."""
+    stop = threading.Event()
+
+    def beat() -> None:
+        while not stop.is_set():
+            seg.table.beat()
+            stop.wait(BEAT_S)
+
+    thread = threading.Thread(target=beat, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
+
+
 @pytest.fixture
 def seg() -> Iterator[IndexSegment]:
     s = IndexSegment("acme", "cpu", 64)
-    yield s
+    with beating(s):
+        yield s
     s.close()
 
 
@@ -151,6 +175,7 @@ def test_reader_racing_writer_never_reports_an_absent_key() -> None:
         wrng = random.Random(12)
         held: list[bytes] = []
         while not stop.is_set():
+            seg.table.beat()
             if len(held) < 38 and wrng.random() < 0.6:
                 h = wrng.choice(churn)
                 if h not in held and seg.table.insert(h):
@@ -197,6 +222,7 @@ def test_a_killed_server_s_table_answers_nothing() -> None:
     reader = _reader(seg)
     h = random.Random(6).randbytes(32)
     seg.table.insert(h)
+    seg.table.beat()
     answer = reader.lookup([h])
     assert answer is not None and answer.num_hit_chunks == 1
     # What the kernel does for a killed process: every descriptor closed (the mapping
@@ -210,3 +236,21 @@ def test_a_killed_server_s_table_answers_nothing() -> None:
         assert reader.lookup([h]) is None
     finally:
         os.unlink(f"/dev/shm/{seg.name}")
+
+
+def test_a_hung_server_s_table_answers_nothing_once_stale() -> None:
+    """A stopped server keeps its lock but no longer stamps its table."""
+    seg = IndexSegment("acme", "cpu", 64)
+    try:
+        reader = _reader(seg)
+        h = random.Random(8).randbytes(32)
+        seg.table.insert(h)
+        seg.table.beat()
+        assert reader.lookup([h]) is not None
+        time.sleep(STALE_S + 0.05)
+        assert reader.lookup([h]) is None
+        seg.table.beat()  # the server resumes
+        answer = reader.lookup([h])
+        assert answer is not None and answer.num_hit_chunks == 1
+    finally:
+        seg.close()

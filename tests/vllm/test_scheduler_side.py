@@ -22,6 +22,7 @@ from lmcache_svc_vllm.stats import StatsRecorder
 from lmcache_svc.bench.procs import ServerProc, start_server
 from lmcache_svc.client import CacheClient
 from lmcache_svc.keys import KVLayout, Namespace, chunk_hashes
+from lmcache_svc.shm_index import STALE_S
 
 BLOCK, CHUNK = 128, 256
 NAMESPACE = Namespace(
@@ -135,6 +136,7 @@ def test_hung_server_costs_one_timeout_then_recovers(tmp_path: Path) -> None:
         prompt = tokens(5, 600)
         store_prefix(server, prompt, 2)
         os.kill(server.proc.pid, signal.SIGSTOP)
+        time.sleep(STALE_S + 0.05)  # the lookup index stops answering for a hung server
         # The scheduler never blocks longer than lookup_wait_ms; the lookup resolves as a
         # miss at its 100 ms deadline; then the back-off answers at once, without a call.
         calls: list[float] = []
