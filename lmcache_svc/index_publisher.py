@@ -7,8 +7,9 @@ lock; the publisher writes the fingerprint into (or out of) the table of the chu
 (``segments_for``): its own tenant's, or every tenant's for an admin token or when
 authentication is off, the same tenants whose ``Lookup`` it may call.
 
-A tenant's table is created when its first namespace is registered, up to ``max_tenants``
-tables; the chunks of later tenants are not indexed and their clients keep using ``Lookup``.
+A tenant's table is created when its first namespace is registered or a session of its
+token opens (the default tenant's at start-up), up to ``max_tenants`` tables; the chunks of
+later tenants are not indexed and their clients keep using ``Lookup``.
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ log = logging.getLogger(__name__)
 DEFAULT_INDEX_SLOTS = 1 << 18
 """2 MiB per tenant; up to 196,608 chunks (``shm_index.MAX_LOAD``) before it overflows."""
 DEFAULT_MAX_TENANTS = 16
+DEFAULT_TENANT = "default"
+"""A namespace's tenant when it names none (``keys.Namespace``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,6 +64,8 @@ class IndexPublisher:
         self._closed = False
         self._warned_full = False
         self._stop = threading.Event()
+        with self._lock:
+            self._table_locked(DEFAULT_TENANT)  # sessions of admins and of open servers
         self._beater = threading.Thread(target=self._beat, name="lookup-index-beat", daemon=True)
         self._beater.start()
 
@@ -83,28 +88,33 @@ class IndexPublisher:
         with self._lock:
             if self._closed or namespace.namespace_id in self._by_namespace:
                 return
-            seg = self._tenants.get(namespace.tenant)
-            if seg is None:
-                if len(self._tenants) >= self._max_tenants:
-                    if not self._warned_full:
-                        log.warning(
-                            "lookup index: %d tenants have tables (cpu.lookup_index_tenants); "
-                            "tenant %r and later ones use Lookup over gRPC",
-                            self._max_tenants,
-                            namespace.tenant,
-                        )
-                        self._warned_full = True
-                    return
-                try:
-                    seg = IndexSegment(
-                        namespace.tenant, self._tier_name, self._num_slots, mode=self._mode
-                    )
-                except ConfigError as e:
-                    log.warning("lookup index for tenant %r not created: %s", namespace.tenant, e)
-                    return
-                seg.table.set_lower_tiers(self._lower_tiers)
-                self._tenants[namespace.tenant] = seg
-            self._by_namespace[namespace.namespace_id] = seg
+            seg = self._table_locked(namespace.tenant)
+            if seg is not None:
+                self._by_namespace[namespace.namespace_id] = seg
+
+    def _table_locked(self, tenant: str) -> IndexSegment | None:
+        """The tenant's table, created if there is room (``max_tenants``)."""
+        seg = self._tenants.get(tenant)
+        if seg is not None or self._closed:
+            return seg
+        if len(self._tenants) >= self._max_tenants:
+            if not self._warned_full:
+                log.warning(
+                    "lookup index: %d tenants have tables (cpu.lookup_index_tenants); "
+                    "tenant %r and later ones use Lookup over gRPC",
+                    self._max_tenants,
+                    tenant,
+                )
+                self._warned_full = True
+            return None
+        try:
+            seg = IndexSegment(tenant, self._tier_name, self._num_slots, mode=self._mode)
+        except ConfigError as e:
+            log.warning("lookup index for tenant %r not created: %s", tenant, e)
+            return None
+        seg.table.set_lower_tiers(self._lower_tiers)
+        self._tenants[tenant] = seg
+        return seg
 
     def changed(self, key: ChunkKey, readable: bool) -> None:
         """The chunk ``key`` became readable in the first tier, or stopped being so."""
@@ -118,8 +128,12 @@ class IndexPublisher:
             seg.table.remove(chunk_hash)
 
     def segments_for(self, tenant: str | None) -> list[IndexSegmentInfo]:
-        """The tables a caller may map: ``tenant``'s, or all of them (``None``)."""
+        """The tables a caller may map: ``tenant``'s (created now if needed, so a session
+        opened before the tenant's first namespace is registered still gets it), or all of
+        them (``None``: the default tenant's is made at start-up)."""
         with self._lock:
+            if tenant is not None:
+                self._table_locked(tenant)
             segs = [seg for name, seg in self._tenants.items() if tenant is None or name == tenant]
             return [IndexSegmentInfo(s.name, s.size, s.nonce) for s in segs]
 

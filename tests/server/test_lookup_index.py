@@ -46,7 +46,7 @@ def h(i: int) -> bytes:
 
 
 def make_cache(
-    num_chunks: int, lower: list[tuple[SsdTier, TierPolicy]] | None = None
+    num_chunks: int, lower: list[tuple[SsdTier, TierPolicy]] | None = None, register: bool = True
 ) -> TieredCache:
     arena = Arena.create(num_chunks * CHUNK, slab_bytes=CHUNK, prefault="off")
     first = CpuTier(arena)
@@ -56,8 +56,9 @@ def make_cache(
         settings=CacheSettings(high_watermark=1.0, checksums=False),
         lookup_index=IndexPublisher(first.name, num_slots=64),
     )
-    cache.register_namespace(ACME_NS)
-    cache.register_namespace(GLOBEX_NS)
+    if register:
+        cache.register_namespace(ACME_NS)
+        cache.register_namespace(GLOBEX_NS)
     return cache
 
 
@@ -177,7 +178,7 @@ def test_a_tenant_session_maps_only_its_own_table(served: Served) -> None:
     with served.client(ADMIN) as admin:
         admin.register_namespace(ACME_NS)
         assert admin.shm_available
-        assert set(admin._live_session().indexes) == {"acme", "globex"}  # noqa: SLF001
+        assert set(admin._live_session().indexes) == {"acme", "globex", "default"}  # noqa: SLF001
 
 
 def test_chunks_in_a_lower_tier_are_hits_through_the_fallback(tmp_path: Path) -> None:
@@ -194,5 +195,20 @@ def test_chunks_in_a_lower_tier_are_hits_through_the_fallback(tmp_path: Path) ->
             got = client.lookup(ns_id, [h(0), h(1)])
             assert got.num_hit_chunks == 2 and got.tiers == ["ssd", "cpu"]
             assert client.lookup(ns_id, [h(1)]).tiers == ["cpu"]  # a full hit: local
+    finally:
+        srv.close()
+
+
+def test_a_session_opened_before_any_registration_gets_its_table(tmp_path: Path) -> None:
+    """The plugin registers first, but any client may open its session first."""
+    srv = Served(make_cache(2, register=False), tmp_path)
+    try:
+        with srv.client(ACME) as client:
+            assert client.shm_available  # no acme namespace is known yet
+            ns_id = client.register_namespace(ACME_NS)
+            srv.cache.put(ACME_NS.namespace_id, h(5), b"\5" * CHUNK)
+            before = srv.cache.metrics.lookup_chunks._value.get()  # noqa: SLF001
+            assert client.lookup(ns_id, [h(5)]).num_hit_chunks == 1
+            assert srv.cache.metrics.lookup_chunks._value.get() == before  # noqa: SLF001
     finally:
         srv.close()
