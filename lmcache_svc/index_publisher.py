@@ -15,13 +15,17 @@ later tenants are not indexed and their clients keep using ``Lookup``.
 from __future__ import annotations
 
 import logging
+import mmap
+import os
+import secrets
 import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from lmcache_svc.arena import _open_new, _shm_path, _unlink_quietly
 from lmcache_svc.errors import ConfigError
 from lmcache_svc.keys import NAMESPACE_ID_BYTES, ChunkKey, Namespace
-from lmcache_svc.shm_index import BEAT_S, IndexSegment, check_num_slots
+from lmcache_svc.shm_index import BEAT_S, IndexTable, check_num_slots, segment_bytes
 
 if TYPE_CHECKING:
     from lmcache_svc.config import Config
@@ -40,6 +44,45 @@ class IndexSegmentInfo:
     name: str
     size: int
     nonce: bytes
+
+
+class IndexSegment:
+    """Server side: one tenant's table in its own segment (``/dev/shm/<name>``, ``mode``)."""
+
+    def __init__(self, tenant: str, tier_name: str, num_slots: int, *, mode: int = 0o600) -> None:
+        self.name = f"lmcache-svc-index-{os.getpid()}-{secrets.token_hex(6)}"
+        self.size = segment_bytes(check_num_slots(num_slots))
+        path = _shm_path(self.name)
+        try:
+            fd = _open_new(path, mode)
+        except OSError as e:
+            raise ConfigError(f"cannot create index segment {path}: {e}") from e
+        try:
+            os.fchmod(fd, mode)
+            os.ftruncate(fd, self.size)
+            self._mm = mmap.mmap(fd, self.size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        except OSError as e:
+            os.close(fd)
+            _unlink_quietly(self.name)
+            raise ConfigError(f"cannot size or map index segment {path}: {e}") from e
+        self._fd = fd  # holds the flock: the segment is not an orphan while we live
+        self._buf = memoryview(self._mm)
+        self.table = IndexTable(self._buf, num_slots, tenant, tier_name)
+        self.nonce = self.table.nonce
+
+    def close(self) -> None:
+        if self._fd < 0:
+            return
+        self.table.mark_closed()
+        self.table.release()
+        _unlink_quietly(self.name)
+        os.close(self._fd)
+        self._fd = -1
+        self._buf.release()
+        try:
+            self._mm.close()
+        except BufferError:
+            pass
 
 
 class IndexPublisher:

@@ -51,7 +51,7 @@ import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from lmcache_svc.errors import ConfigError, InvalidArgument
+from lmcache_svc.errors import InvalidArgument
 
 MAGIC = int.from_bytes(b"LMCSVCI1", "little")
 HEADER_BYTES = 4096
@@ -378,49 +378,6 @@ def open_index_segments(segments: Iterable[object]) -> dict[str, IndexReader]:
         if reader is not None:
             readers[reader.tenant] = reader
     return readers
-
-
-class IndexSegment:
-    """Server side: one tenant's table in its own segment (``/dev/shm/<name>``, ``mode``)."""
-
-    def __init__(self, tenant: str, tier_name: str, num_slots: int, *, mode: int = 0o600) -> None:
-        from lmcache_svc.arena import _open_new, _shm_path, _unlink_quietly
-
-        self.name = f"lmcache-svc-index-{os.getpid()}-{secrets.token_hex(6)}"
-        self.size = segment_bytes(check_num_slots(num_slots))
-        path = _shm_path(self.name)
-        try:
-            fd = _open_new(path, mode)
-        except OSError as e:
-            raise ConfigError(f"cannot create index segment {path}: {e}") from e
-        try:
-            os.fchmod(fd, mode)
-            os.ftruncate(fd, self.size)
-            self._mm = mmap.mmap(fd, self.size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        except OSError as e:
-            os.close(fd)
-            _unlink_quietly(self.name)
-            raise ConfigError(f"cannot size or map index segment {path}: {e}") from e
-        self._fd = fd  # holds the flock: the segment is not an orphan while we live
-        self._buf = memoryview(self._mm)
-        self.table = IndexTable(self._buf, num_slots, tenant, tier_name)
-        self.nonce = self.table.nonce
-
-    def close(self) -> None:
-        from lmcache_svc.arena import _unlink_quietly
-
-        if self._fd < 0:
-            return
-        self.table.mark_closed()
-        self.table.release()
-        _unlink_quietly(self.name)
-        os.close(self._fd)
-        self._fd = -1
-        self._buf.release()
-        try:
-            self._mm.close()
-        except BufferError:
-            pass
 
 
 def answer_locally(

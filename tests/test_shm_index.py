@@ -13,12 +13,12 @@ from contextlib import contextmanager
 import pytest
 
 from lmcache_svc.errors import InvalidArgument
+from lmcache_svc.index_publisher import IndexSegment
 from lmcache_svc.shm_index import (
     BEAT_S,
     INDEX_TRANSPORT,
     STALE_S,
     IndexReader,
-    IndexSegment,
     answer_locally,
     fingerprint,
     open_index_segments,
