@@ -51,6 +51,7 @@ import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from lmcache_svc.arena import SHM_DIR, check_segment_name
 from lmcache_svc.errors import InvalidArgument
 
 MAGIC = int.from_bytes(b"LMCSVCI1", "little")
@@ -274,8 +275,6 @@ class IndexReader:
     def open(cls, name: str, size: int, nonce: bytes) -> IndexReader | None:
         """Map ``/dev/shm/<name>`` read-only; None when it is missing, of another size or
         not the table whose nonce the session announced (e.g. a server on another host)."""
-        from lmcache_svc.arena import SHM_DIR, check_segment_name
-
         try:
             path = os.path.join(SHM_DIR, check_segment_name(name))
         except InvalidArgument:
