@@ -48,6 +48,7 @@ import mmap
 import os
 import secrets
 import time
+import weakref
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -264,6 +265,7 @@ class IndexReader:
     def __init__(self, mm: mmap.mmap, fd: int, tenant: str, tier_name: str) -> None:
         self._mm = mm
         self._fd: int | None = fd  # to ask whether the server still holds its lock
+        self._close_fd = weakref.finalize(self, os.close, fd)  # a dropped session's reader
         self._words = memoryview(mm).cast("Q")
         self.num_slots = self._words[W_SLOTS]
         self._slots = self._words[HEADER_BYTES // 8 :]
@@ -362,9 +364,8 @@ class IndexReader:
         return None
 
     def close(self) -> None:
-        fd, self._fd = self._fd, None
-        if fd is not None:
-            os.close(fd)
+        self._fd = None
+        self._close_fd()
 
 
 def open_index_segments(segments: Iterable[object]) -> dict[str, IndexReader]:
