@@ -52,6 +52,22 @@ class CpuConfig(_Section):
     prefault: Literal["off", "background", "sync"] = "background"
     """Populate the arena's pages at start-up (first touches are slow): in a background
     thread, before serving, or not at all."""
+    lookup_index: bool = True
+    """Publish, per tenant, a read-only table of the arena's chunks in shared memory, so a
+    client on this host answers lookups without a round trip (docs/architecture.md,
+    "Lookup index"). Its segments get ``shm_mode``."""
+    lookup_index_slots: int = Field(1 << 18, ge=8)
+    """Slots of each tenant's table, a power of two; 8 bytes each (default 2 MiB). It indexes
+    up to 3/4 of its slots in chunks; past that, clients ask the server for misses."""
+    lookup_index_tenants: int = Field(16, ge=1)
+    """Most tenants with a table; later tenants' clients use gRPC Lookup."""
+
+    @field_validator("lookup_index_slots")
+    @classmethod
+    def _power_of_two(cls, value: int) -> int:
+        if value & (value - 1):
+            raise ValueError(f"must be a power of two, got {value}")
+        return value
 
     @field_validator("shm_mode", mode="before")
     @classmethod

@@ -72,6 +72,8 @@ class ChunkIndex:
         self._quarantined: dict[ChunkKey, str | None] = {}  # expired reservation -> owner
         self._owned_bytes: dict[str | None, int] = {}  # reserved + quarantined, per owner
         self._detached: set[ChunkKey] = set()  # evicted, bytes being demoted (not yet freed)
+        self.on_change: Callable[[ChunkKey, bool], None] | None = None
+        """Told when a chunk becomes readable (True) or stops being so (the lookup index)."""
 
     def _locked(self, what: str) -> None:
         """Raise unless the calling thread holds the cache's lock (only with ``check_lock``)."""
@@ -125,6 +127,8 @@ class ChunkIndex:
         entry.ready, entry.owner = True, None
         self._pending.discard(key)
         self.settle(key, entry)
+        if self.on_change is not None:
+            self.on_change(key, True)
 
     def quarantine(self, key: ChunkKey, entry: Entry) -> None:
         """An expired reservation: no longer pending, never committable, slot kept."""
@@ -192,6 +196,8 @@ class ChunkIndex:
         entry = self._items.get(key)
         if entry is not None:
             entry.doomed = True
+            if self.on_change is not None:
+                self.on_change(key, False)
 
     def extend_deadline(self, key: ChunkKey, deadline: float) -> None:
         """Move a reservation's deadline to ``deadline``, never earlier."""
@@ -225,6 +231,8 @@ class ChunkIndex:
             self._locked("remove")
         slot = self.slot_of(key)
         entry = self._items.pop(key)
+        if self.on_change is not None and (entry is None or entry.ready):
+            self.on_change(key, False)
         if entry is not None:
             self._disown(entry)
         self._pending.discard(key)

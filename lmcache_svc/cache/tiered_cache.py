@@ -57,6 +57,7 @@ from lmcache_svc.errors import (
     TooManyNamespaces,
     UnknownNamespace,
 )
+from lmcache_svc.index_publisher import IndexPublisher
 from lmcache_svc.keys import (
     ChunkHash,
     ChunkKey,
@@ -79,6 +80,7 @@ class TieredCache:
         *,
         settings: CacheSettings | None = None,
         metrics: Metrics | None = None,
+        lookup_index: IndexPublisher | None = None,
     ) -> None:
         if not isinstance(first, SlotTier):
             raise TypeError("the first tier must be a SlotTier (clients address it in place)")
@@ -88,6 +90,10 @@ class TieredCache:
         self._lower = LowerTierManager(lower, self.metrics)
         self._lock = threading.RLock()
         self._index = ChunkIndex(first.slot_of, self._lock)
+        self.lookup_index = lookup_index
+        if lookup_index is not None:  # published chunks: see index_publisher.py
+            self._index.on_change = lookup_index.changed
+            lookup_index.set_lower_tiers(bool(lower))
         self._first_tier = FirstTierManager(
             first,
             self._index,
@@ -143,6 +149,9 @@ class TieredCache:
             self._maintenance.join(timeout=10)
         self._write_through.stop()
         self._checksummer.stop()
+        if self.lookup_index is not None:
+            with self._lock:
+                self.lookup_index.close()
         self._first.close()
         self._lower.close()
 
@@ -178,6 +187,8 @@ class TieredCache:
                     "(cache.max_namespaces); registered ones keep working"
                 )
             self._namespaces[namespace.namespace_id] = namespace
+            if self.lookup_index is not None:
+                self.lookup_index.add_namespace(namespace)
             return namespace
 
     def namespace(self, namespace_id: bytes) -> Namespace:

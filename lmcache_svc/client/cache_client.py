@@ -49,6 +49,7 @@ from lmcache_svc.client.transport import (
 from lmcache_svc.keys import Namespace, NamespaceId
 from lmcache_svc.memories.format import MemoryInfo
 from lmcache_svc.results import LookupResult
+from lmcache_svc.shm_index import answer_locally, open_index_segments
 from lmcache_svc.v1 import cache_pb2 as pb
 from lmcache_svc.v1 import cache_pb2_grpc as pb_grpc
 from lmcache_svc.wire import medium_from_pb, memory_info_from_pb, namespace_to_pb
@@ -60,6 +61,7 @@ class _Session:
     def __init__(self, stream: Any, event: pb.SessionEvent) -> None:  # a grpc stream call
         self.session_id = event.session_id
         self.mapping, self.segment_name = map_segment(event)
+        self.indexes = open_index_segments(event.segments)  # lookups without a round trip
         self._stream = stream
         self.alive = True
         threading.Thread(target=self._watch, name="lmcache-svc-session", daemon=True).start()
@@ -88,11 +90,16 @@ class CacheClient:
         client_name: str = "",
         use_shm: bool = True,
         auth_token: str | None = None,
+        local_lookup: bool = False,
     ) -> None:
+        """``local_lookup``: answer ``lookup`` from the server's shared-memory index when the
+        session (opened by any shared-memory call, or ``shm_available``) mapped it here; the
+        server's lookup metrics then count only the lookups that reach it."""
         self._target = grpc_target(address)
         self.timeout_s = timeout_s
         self._client_name = client_name
         self._use_shm = use_shm
+        self._local_lookup = local_lookup
         self._metadata = auth_metadata(auth_token)
         self._channel = grpc.insecure_channel(self._target, options=client_channel_options())
         self._stub = pb_grpc.CacheServiceStub(self._channel)
@@ -200,6 +207,13 @@ class CacheClient:
     def lookup(
         self, namespace_id: bytes, chunk_hashes: Sequence[bytes], *, timeout_s: float | None = None
     ) -> LookupResult:
+        session = self._session
+        ns = self._namespaces.get(bytes(namespace_id))
+        if self._local_lookup and session is not None and session.alive and ns is not None:
+            local = answer_locally(session.indexes, ns.tenant, chunk_hashes)
+            if local is not None:  # the index holds first-tier chunks: the arena, host memory
+                num_hits, tier_name = local
+                return LookupResult(num_hits, [tier_name] * num_hits, ["host_memory"] * num_hits)
         resp: pb.LookupResponse = self._ns_call(
             self._stub.Lookup,
             pb.LookupRequest(namespace_id=namespace_id, chunk_hashes=chunk_hashes),

@@ -24,6 +24,7 @@ from lmcache_svc.cache.settings import CacheSettings
 from lmcache_svc.cache.values import TierPolicy
 from lmcache_svc.config import Config
 from lmcache_svc.errors import ConfigError
+from lmcache_svc.index_publisher import lookup_index
 from lmcache_svc.memories.store import MemoryStore
 from lmcache_svc.metrics import Metrics
 from lmcache_svc.server.grpc import build_grpc_server, set_serving
@@ -90,7 +91,9 @@ def build_cache(config: Config) -> TieredCache:
             made.close()
         raise
     settings = CacheSettings.from_config(config)
-    return TieredCache(CpuTier(arena), lower, settings=settings, metrics=Metrics())
+    first = CpuTier(arena)
+    index = lookup_index(config, first.name)
+    return TieredCache(first, lower, settings=settings, metrics=Metrics(), lookup_index=index)
 
 
 def build_memory_store(config: Config) -> MemoryStore:

@@ -36,6 +36,7 @@ from lmcache_svc.errors import (
 from lmcache_svc.keys import check_chunk_hash
 from lmcache_svc.metrics import Metrics
 from lmcache_svc.server.grpc_auth import AuthInterceptor
+from lmcache_svc.server.grpc_index import index_segments
 from lmcache_svc.server.stats import stats_fields
 from lmcache_svc.server.status import INTERNAL_KIND, grpc_code
 from lmcache_svc.server.tokens import Authenticator, make_authenticator
@@ -185,7 +186,8 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
                 segments=[
                     pb.Segment(
                         transport=seg.transport, name=seg.name, size=seg.size, nonce=seg.nonce
-                    )
+                    ),
+                    *index_segments(self._cache),
                 ],
             )
             await self._stopping.wait()

@@ -10,6 +10,7 @@ import pytest
 
 from lmcache_svc.bench.lookup import (
     HANDLER_ROW,
+    INDEX_ROW,
     SERVER_ROW,
     SHAPES,
     expected_hits,
@@ -60,11 +61,12 @@ def test_quick_mode(tmp_path: Path) -> None:
         "unix socket round trip",
         "tcp gRPC round trip",
         "REST round trip",
+        INDEX_ROW,
         "baseline: dict lookup of 128 keys",
         "baseline: gRPC health check (unix socket)",
     } <= paths
-    # 2 sizes x (4 paths and the server's handler mean x 3 shapes + 3 baselines)
-    assert len(table.rows) == 2 * (5 * len(SHAPES) + 3)
+    # 2 sizes x (5 paths and the server's handler mean x 3 shapes + 3 baselines)
+    assert len(table.rows) == 2 * (6 * len(SHAPES) + 3)
     for row in table.rows:
         p50, p99 = row[3], row[4]
         assert row[6] > 0

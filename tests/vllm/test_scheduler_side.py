@@ -22,6 +22,7 @@ from lmcache_svc_vllm.stats import StatsRecorder
 from lmcache_svc.bench.procs import ServerProc, start_server
 from lmcache_svc.client import CacheClient
 from lmcache_svc.keys import KVLayout, Namespace, chunk_hashes
+from lmcache_svc.shm_index import STALE_S
 
 BLOCK, CHUNK = 128, 256
 NAMESPACE = Namespace(
@@ -154,6 +155,7 @@ def test_hung_server_costs_one_timeout_then_recovers(
         store_prefix(server, prompt, 2)
         server_lookups = count_calls(monkeypatch, CacheClient, "lookup")
         os.kill(server.proc.pid, signal.SIGSTOP)
+        time.sleep(STALE_S + 0.05)  # the lookup index stops answering for a hung server
         # While the lookup is out, the scheduler answers "not decided yet" (it waits at most
         # lookup_wait_ms per call); the lookup resolves as a miss at its 100 ms deadline;
         # then the back-off answers the next requests without asking the server.

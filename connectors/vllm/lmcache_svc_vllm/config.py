@@ -60,6 +60,10 @@ class ConnectorConfig:
     use_shm: bool = True
     """Move bytes through the server's shared segment when it is mapped here; ``false``
     (or another host) streams them inline over gRPC instead."""
+    local_lookup: bool = True
+    """Answer the scheduler's lookups from the server's shared-memory index when it is
+    mapped here (same host, ``use_shm``), without a round trip; otherwise, or when the
+    index cannot tell (a lower tier, an overflowed table), ask the server."""
     auth_token: str | None = None
     """Bearer token for a server started with auth; default: $LMCACHE_SVC_AUTH_TOKEN."""
     keep_load_failure_policy: bool = False
@@ -114,7 +118,7 @@ class ConnectorConfig:
 
 _FLOAT_FIELDS = {"lookup_timeout_ms", "lookup_wait_ms", "rpc_timeout_ms", "retry_interval_s"}
 _INT_FIELDS = {"chunk_size", "async_load_min_tokens"}
-_BOOL_FIELDS = {"use_shm", "keep_load_failure_policy"}
+_BOOL_FIELDS = {"use_shm", "local_lookup", "keep_load_failure_policy"}
 _OPTIONAL_FIELDS = {"chunk_size"}  # null: the default
 
 
