@@ -21,8 +21,11 @@ Measured here (2 vCPUs, kernel 6.18), copying 256 MiB with one memoryview slice 
 - pre-faulted arena: first copy 6.7-16 GB/s (mostly 15-16). Pre-faulting 256 MiB took
   143-188 ms in the background (1 GiB of never-touched memory: 3.3-3.9 s).
 - a client mapping (``ArenaMapping``) of pages the server already populated still pays minor
-  faults: first copy 1.8-2.9 GB/s; with ``prefault=True`` (60-130 ms per 256 MiB, background)
-  7-17 GB/s. It costs the client 2 MiB of page tables per GiB mapped, hence off by default.
+  faults: first copy 1.8-2.9 GB/s; pre-faulted (60-130 ms per 256 MiB, background) 7-17 GB/s.
+So clients pre-fault too: ``ArenaMapping.open(..., prefault=True)``, which every client asks
+for when it maps a session's segment (``map_segment``), populates the read-write mapping and
+then the read-only one in a daemon thread (``CacheClient.wait_shm_ready`` waits for it). The
+price is the client's page tables: 2 MiB per GiB of segment for each of the two mappings.
 """
 
 from __future__ import annotations

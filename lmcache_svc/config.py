@@ -26,7 +26,7 @@ from pydantic import (
     model_validator,
 )
 
-from lmcache_svc.defaults import default_socket_path
+from lmcache_svc.client.defaults import default_socket_path
 from lmcache_svc.errors import ConfigError
 
 ENV_PREFIX = "LMCACHE_SVC_"
@@ -52,6 +52,22 @@ class CpuConfig(_Section):
     prefault: Literal["off", "background", "sync"] = "background"
     """Populate the arena's pages at start-up (first touches are slow): in a background
     thread, before serving, or not at all."""
+    lookup_index: bool = True
+    """Publish, per tenant, a read-only table of the arena's chunks in shared memory, so a
+    client on this host answers lookups without a round trip (docs/architecture.md,
+    "Lookup index"). Its segments get ``shm_mode``."""
+    lookup_index_slots: int = Field(1 << 18, ge=8)
+    """Slots of each tenant's table, a power of two; 8 bytes each (default 2 MiB). It indexes
+    up to 3/4 of its slots in chunks; past that, clients ask the server for misses."""
+    lookup_index_tenants: int = Field(16, ge=1)
+    """Most tenants with a table; later tenants' clients use gRPC Lookup."""
+
+    @field_validator("lookup_index_slots")
+    @classmethod
+    def _power_of_two(cls, value: int) -> int:
+        if value & (value - 1):
+            raise ValueError(f"must be a power of two, got {value}")
+        return value
 
     @field_validator("shm_mode", mode="before")
     @classmethod
@@ -123,6 +139,23 @@ class RedisConfig(_Section):
         return self
 
 
+class HbmConfig(_Section):
+    capacity: ByteSize | None = Field(None, gt=0)
+    """GPU memory the server holds as the HBM tier (a CUDA IPC pool, docs/gpu.md); no HBM
+    tier when unset. Needs a CUDA build of torch and a visible device, else start-up fails."""
+    device: int = Field(0, ge=0)
+    """CUDA device index of the HBM tier's pool."""
+    slab: ByteSize | None = Field(None, ge=4096)
+    """Slab size of the pool's allocator. Default: capacity / 16, at most 64 MiB."""
+    accept_demotions: bool = True
+    """Chunks evicted from the arena move here (before SSD and Redis)."""
+
+    def slab_bytes(self) -> int:
+        if self.slab is not None:
+            return int(self.slab)
+        return min(64 << 20, max(4096, int(self.capacity or 0) // 16 // 4096 * 4096))
+
+
 class CacheConfig(_Section):
     high_watermark: float = Field(0.95, gt=0, le=1)
     """Background eviction starts when the arena is fuller than this fraction."""
@@ -152,6 +185,9 @@ class CacheConfig(_Section):
     """Keep an xxh3-64 checksum of each arena chunk (taken in the background after commit
     or promotion; 8 bytes per 4 KiB of arena), checked before a chunk is demoted or written
     through and when a load or get asks ``verify``: a chunk that fails is dropped."""
+    maintenance_interval_s: float = Field(0.05, gt=0, le=60)
+    """How often the background maintenance runs: it expires leases and reservations past
+    their deadlines, evicts down to low_watermark and probes lower tiers marked down."""
 
     @model_validator(mode="after")
     def _check_watermarks(self) -> CacheConfig:
@@ -231,6 +267,7 @@ class Config(_Section):
     """Where to write a JSON line with the bound addresses once serving (for supervisors)."""
     http: HttpConfig = Field(default_factory=HttpConfig)
     cpu: CpuConfig = Field(default_factory=CpuConfig)
+    hbm: HbmConfig = Field(default_factory=HbmConfig)
     ssd: SsdConfig = Field(default_factory=SsdConfig)
     redis: RedisConfig = Field(default_factory=RedisConfig)
     cache: CacheConfig = Field(default_factory=CacheConfig)

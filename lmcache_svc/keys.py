@@ -21,7 +21,7 @@ import hashlib
 import json
 import re
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any, NewType, cast
 
 import numpy as np
@@ -65,6 +65,15 @@ DTYPE_SIZES: dict[str, int] = {
 }
 
 
+def documented(
+    *, minimum: int | None = None, description: str | None = None, examples: list[str] | None = None
+) -> dict[str, Any]:
+    """A namespace field's contract, in its dataclass metadata: ``validate`` enforces
+    ``minimum`` (up to ``MAX_FIELD_VALUE``); the REST models (``server/http_models.py``) are
+    generated from the same fields and document all three."""
+    return {"minimum": minimum, "description": description, "examples": examples}
+
+
 @dataclass(frozen=True, slots=True)
 class KVLayout:
     """How one rank's KV bytes are laid out; two layouts with equal fields share pages.
@@ -75,21 +84,24 @@ class KVLayout:
     ``kv_planes`` is 2 for separate K and V, 1 for a single latent (MLA).
     """
 
-    dtype: str
-    num_layers: int
-    num_kv_heads: int
-    head_size: int
-    block_size: int
-    page_layout: str
-    kv_planes: int = 2
+    dtype: str = field(metadata=documented(examples=["bfloat16"]))
+    num_layers: int = field(metadata=documented(minimum=1))
+    num_kv_heads: int = field(
+        metadata=documented(minimum=1, description="KV heads held by this tensor-parallel rank")
+    )
+    head_size: int = field(metadata=documented(minimum=1))
+    block_size: int = field(metadata=documented(minimum=1))
+    page_layout: str = field(metadata=documented(examples=["vllm-cpu/NHC"]))
+    kv_planes: int = field(
+        default=2, metadata=documented(description="2 for separate K and V, 1 for MLA")
+    )
 
     def validate(self) -> None:
         if self.dtype not in DTYPE_SIZES:
             raise InvalidArgument(
                 f"unknown dtype {self.dtype!r}; expected one of {sorted(DTYPE_SIZES)}"
             )
-        for name in ("num_layers", "num_kv_heads", "head_size", "block_size"):
-            _require_field_int(f"layout.{name}", getattr(self, name), 1)
+        _require_bounded_fields(self, "layout.")
         if type(self.kv_planes) is not int or self.kv_planes not in (1, 2):
             raise InvalidArgument(f"kv_planes must be 1 or 2, got {self.kv_planes!r}")
         if not self.page_layout or len(self.page_layout) > 128:
@@ -107,9 +119,9 @@ class Namespace:
 
     model: str
     layout: KVLayout
-    chunk_size: int = DEFAULT_CHUNK_SIZE
-    tp_rank: int = 0
-    tp_size: int = 1
+    chunk_size: int = field(default=DEFAULT_CHUNK_SIZE, metadata=documented(minimum=1))
+    tp_rank: int = field(default=0, metadata=documented(minimum=0))
+    tp_size: int = field(default=1, metadata=documented(minimum=1))
     tenant: str = "default"
     key_version: int = KEY_FORMAT_VERSION
     _id: bytes = field(default=b"", init=False, repr=False, compare=False)
@@ -129,9 +141,7 @@ class Namespace:
         if not isinstance(self.layout, KVLayout):
             raise InvalidArgument("namespace layout must be a KVLayout")
         self.layout.validate()
-        _require_field_int("chunk_size", self.chunk_size, 1)
-        _require_field_int("tp_size", self.tp_size, 1)
-        _require_field_int("tp_rank", self.tp_rank, 0)
+        _require_bounded_fields(self, "")
         if self.tp_rank >= self.tp_size:
             raise InvalidArgument(
                 f"tp_rank must be in [0, tp_size={self.tp_size}), got {self.tp_rank!r}"
@@ -185,6 +195,14 @@ class Namespace:
     def chunk_bytes(self) -> int:
         """Exact size of one full chunk's KV bytes in this namespace."""
         return self.chunk_size * self.layout.bytes_per_token
+
+
+def _require_bounded_fields(obj: KVLayout | Namespace, prefix: str) -> None:
+    """Each field of ``obj`` with a documented ``minimum`` is an integer in range."""
+    for f in fields(obj):
+        low = f.metadata.get("minimum")
+        if low is not None:
+            _require_field_int(prefix + f.name, getattr(obj, f.name), low)
 
 
 def _require_field_int(name: str, value: object, low: int) -> None:
@@ -255,10 +273,6 @@ def make_chunk_keys(namespace_id: bytes, chunk_hashes: Sequence[bytes]) -> list[
     if len(keys) != len(chunk_hashes):  # something else in there: the slow path names it
         return [make_chunk_key(prefix, check_chunk_hash(h)) for h in chunk_hashes]
     return cast("list[ChunkKey]", keys)
-
-
-def split_chunk_key(key: ChunkKey) -> tuple[NamespaceId, ChunkHash]:
-    return NamespaceId(key[:NAMESPACE_ID_BYTES]), ChunkHash(key[NAMESPACE_ID_BYTES:])
 
 
 def check_chunk_hash(value: bytes) -> ChunkHash:

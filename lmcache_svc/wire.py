@@ -8,11 +8,17 @@ raised (``error_from_kind``).
 from __future__ import annotations
 
 import json
-from dataclasses import asdict
+from collections.abc import Iterator
+from dataclasses import fields
+from typing import Any
+
+from google.protobuf.message import Message
 
 from lmcache_svc import errors
 from lmcache_svc.keys import KVLayout, Namespace
 from lmcache_svc.memories.format import MemoryInfo
+from lmcache_svc.results import StoreStatus
+from lmcache_svc.tiers.base import MEDIA, Medium
 from lmcache_svc.v1 import cache_pb2 as pb
 
 ERROR_KIND_KEY = "lmcache-error-kind"
@@ -20,69 +26,61 @@ MAX_MESSAGE_BYTES = 64 << 20
 PIECE_BYTES = 4 << 20
 """Inline chunk bytes travel in pieces of at most this size."""
 
-_ERRORS_BY_KIND: dict[str, type[errors.LMCacheSvcError]] = {
-    cls.kind: cls
-    for cls in (
-        errors.InvalidArgument,
-        errors.UnknownNamespace,
-        errors.SizeMismatch,
-        errors.BadMemory,
-        errors.Conflict,
-        errors.PayloadTooLarge,
-        errors.NotFound,
-        errors.UnknownSession,
-        errors.ReservationExpired,
-        errors.NoSpace,
-        errors.TooManyNamespaces,
-        errors.ReservationLimit,
-        errors.Unauthenticated,
-        errors.PermissionDenied,
-        errors.BodyTimeout,
-        errors.ConfigError,
-        errors.TierError,
-        errors.Corrupted,
-    )
+
+def _error_classes(
+    base: type[errors.LMCacheSvcError],
+) -> Iterator[type[errors.LMCacheSvcError]]:
+    """``base`` and every class below it in the exception tree (``errors.py``)."""
+    yield base
+    for sub in base.__subclasses__():
+        yield from _error_classes(sub)
+
+
+def _errors_by_kind() -> dict[str, type[errors.LMCacheSvcError]]:
+    table: dict[str, type[errors.LMCacheSvcError]] = {}
+    for cls in _error_classes(errors.LMCacheSvcError):
+        if table.setdefault(cls.kind, cls) is not cls:
+            raise TypeError(
+                f"{cls.__name__} and {table[cls.kind].__name__} share kind {cls.kind!r}"
+            )
+    return table
+
+
+_ERRORS_BY_KIND = _errors_by_kind()
+"""Each exception class of ``errors.py`` by its ``kind``, derived from the tree itself."""
+
+STORE_STATUS_CODES: dict[StoreStatus, pb.StoreStatus] = {
+    "reserved": pb.RESERVED,
+    "already_stored": pb.ALREADY_STORED,
+    "no_space": pb.NO_SPACE,
+    "in_progress": pb.IN_PROGRESS,
 }
+"""``prepare_store``'s answer per chunk as the wire's enum (the server sends, the client
+reads ``STORE_STATUS_NAMES``)."""
+STORE_STATUS_NAMES: dict[int, StoreStatus] = {v: k for k, v in STORE_STATUS_CODES.items()}
 
 
 def error_from_kind(kind: str, message: str) -> errors.LMCacheSvcError:
+    """The exception the server raised, from the kind it sent (the base class for a kind this
+    client does not know, e.g. from a newer server)."""
     return _ERRORS_BY_KIND.get(kind, errors.LMCacheSvcError)(message)
 
 
 def namespace_to_pb(ns: Namespace) -> pb.Namespace:
-    return pb.Namespace(
-        model=ns.model,
-        layout=pb.KVLayout(**asdict(ns.layout)),
-        chunk_size=ns.chunk_size,
-        tp_rank=ns.tp_rank,
-        tp_size=ns.tp_size,
-        tenant=ns.tenant,
-        key_version=ns.key_version,
-    )
+    """The message of ``ns``: the proto's field names are the dataclasses' (``keys.py``)."""
+    return pb.Namespace(**ns.to_dict())
 
 
 def namespace_from_pb(msg: pb.Namespace) -> Namespace:
     if not msg.HasField("layout"):
         raise errors.InvalidArgument("namespace is missing its layout")
-    lay = msg.layout
-    layout = KVLayout(
-        dtype=lay.dtype,
-        num_layers=lay.num_layers,
-        num_kv_heads=lay.num_kv_heads,
-        head_size=lay.head_size,
-        block_size=lay.block_size,
-        page_layout=lay.page_layout,
-        kv_planes=lay.kv_planes,
-    )
-    return Namespace(
-        model=msg.model,
-        layout=layout,
-        chunk_size=msg.chunk_size,
-        tp_rank=msg.tp_rank,
-        tp_size=msg.tp_size,
-        tenant=msg.tenant,
-        key_version=msg.key_version,
-    )
+    layout = KVLayout(**_init_fields(KVLayout, msg.layout))
+    return Namespace(**{**_init_fields(Namespace, msg), "layout": layout})
+
+
+def _init_fields(cls: type[KVLayout] | type[Namespace], msg: Message) -> dict[str, Any]:
+    """The values of ``msg``'s fields named like ``cls``'s constructor arguments."""
+    return {f.name: getattr(msg, f.name) for f in fields(cls) if f.init}
 
 
 def channel_options() -> list[tuple[str, int]]:
@@ -104,3 +102,18 @@ def memory_info_to_pb(info: MemoryInfo) -> pb.MemoryInfo:
 def memory_info_from_pb(msg: pb.MemoryInfo) -> MemoryInfo:
     metadata = json.loads(msg.metadata_json) if msg.metadata_json else {}
     return MemoryInfo(msg.memory_id, int(msg.size_bytes), msg.model, metadata)
+
+
+def medium_to_pb(medium: Medium) -> pb.Medium:
+    return pb.Medium.Value("MEDIUM_" + medium.upper())
+
+
+def medium_from_pb(value: int) -> Medium:
+    """The medium a server sent; ``InvalidArgument`` for one this client does not know."""
+    medium = _MEDIA_BY_PB.get(value)
+    if medium is None:
+        raise errors.InvalidArgument(f"unknown tier medium {value} in a lookup answer")
+    return medium
+
+
+_MEDIA_BY_PB: dict[int, Medium] = {medium_to_pb(m): m for m in MEDIA}

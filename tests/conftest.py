@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -15,6 +16,10 @@ from lmcache_svc.bench.redis_procs import (
     start_redis,
     start_redis_cluster,
 )
+from lmcache_svc.cache.chunk_index import CHECK_LOCKS_ENV
+
+os.environ[CHECK_LOCKS_ENV] = "1"  # every chunk-index change checks the cache's lock is held
+# (servers the tests start as processes inherit it)
 
 # -- Redis: real redis-server processes on free ports --------------------------------------
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import random
 import threading
 from collections.abc import Iterator
@@ -12,34 +11,15 @@ import pytest
 
 from lmcache_svc.arena import Arena
 from lmcache_svc.cache import TieredCache
+from lmcache_svc.cache.settings import CacheSettings
+from lmcache_svc.cache.values import TierPolicy
 from lmcache_svc.errors import InvalidArgument, PayloadTooLarge, SizeMismatch, UnknownNamespace
-from lmcache_svc.keys import KVLayout, Namespace
-from lmcache_svc.policy import CacheSettings, TierPolicy
+from lmcache_svc.keys import make_chunk_keys
 from lmcache_svc.tiers.cpu import CpuTier
 from lmcache_svc.tiers.ssd import SsdTier
+from tests.helpers import make_chunk, make_hash, make_namespace
 
 CHUNK = 64 * 1024  # bytes of one chunk in the test namespace
-
-
-def make_namespace(tenant: str = "default") -> Namespace:
-    layout = KVLayout(
-        dtype="uint8",
-        num_layers=1,
-        num_kv_heads=1,
-        head_size=128,
-        block_size=16,
-        page_layout="test",
-    )
-    return Namespace(model="m", layout=layout, chunk_size=256, tenant=tenant)
-
-
-def make_hash(name: str) -> bytes:
-    return hashlib.sha256(name.encode()).digest()
-
-
-def make_chunk(name: str) -> bytes:
-    seed = hashlib.sha256(b"data" + name.encode()).digest()
-    return (seed * (CHUNK // len(seed) + 1))[:CHUNK]
 
 
 @pytest.fixture
@@ -59,7 +39,7 @@ def cache_factory(tmp_path: Path) -> Iterator:
             ssd = SsdTier(tmp_path / f"ssd{len(made)}", ssd_chunks * (CHUNK + 4096))
             lower.append((ssd, TierPolicy(accept_demotions=True, write_through=write_through)))
         cache = TieredCache(CpuTier(arena), lower, settings=settings)
-        cache.register_namespace(make_namespace())
+        cache.register_namespace(make_namespace(chunk_size=256))
         made.append(cache)
         return cache
 
@@ -68,11 +48,11 @@ def cache_factory(tmp_path: Path) -> Iterator:
         cache.close()
 
 
-NS = make_namespace().namespace_id
+NS = make_namespace(chunk_size=256).namespace_id
 
 
 def put(cache: TieredCache, *names: str) -> list[str]:
-    return [cache.put(NS, make_hash(n), make_chunk(n)) for n in names]
+    return [cache.put(NS, make_hash(n), make_chunk(n, CHUNK)) for n in names]
 
 
 def where(cache: TieredCache, *names: str) -> list[str | None]:
@@ -84,7 +64,7 @@ def test_put_get_round_trip(cache_factory) -> None:
     assert put(cache, "a") == ["reserved"]
     assert put(cache, "a") == ["already_stored"]
     data, tier = cache.get(NS, make_hash("a"))
-    assert data == make_chunk("a") and tier == "cpu"
+    assert data == make_chunk("a", CHUNK) and tier == "cpu"
     assert cache.get(NS, make_hash("zz")) is None
 
 
@@ -105,7 +85,7 @@ def test_eviction_demotes_to_ssd_and_load_promotes_back(cache_factory) -> None:
     assert where(cache, "a", "b", "c", "d", "e") == ["ssd", "cpu", "cpu", "cpu", "cpu"]
     lease = cache.prepare_load(NS, [make_hash("a")])
     assert lease.source_tiers == ["ssd"]
-    assert bytes(cache.view(lease.slots[0])) == make_chunk("a")
+    assert bytes(cache.view(lease.slots[0])) == make_chunk("a", CHUNK)
     cache.release_load(lease.lease_id)
     # promoting a evicted b (the least recently used) down to the SSD; a stays on SSD too
     assert where(cache, "a", "b") == ["cpu", "ssd"]
@@ -168,10 +148,10 @@ def test_reservations_expire_and_late_commits_do_nothing(cache_factory) -> None:
 def test_commit_needs_the_owning_session(cache_factory) -> None:
     cache = cache_factory(2)
     (slot,) = cache.prepare_store(NS, [make_hash("a")], session_id="s1")
-    cache.view(slot.slot)[:] = make_chunk("a")
+    cache.view(slot.slot)[:] = make_chunk("a", CHUNK)
     assert cache.commit_store(NS, [make_hash("a")], session_id="s2") == 0
     assert cache.commit_store(NS, [make_hash("a")], session_id="s1") == 1
-    assert cache.get(NS, make_hash("a"))[0] == make_chunk("a")
+    assert cache.get(NS, make_hash("a"))[0] == make_chunk("a", CHUNK)
 
 
 def test_closing_a_session_reclaims_its_reservations_and_leases(cache_factory) -> None:
@@ -194,7 +174,7 @@ def test_delete_of_a_pinned_chunk_frees_it_on_release(cache_factory) -> None:
     lease = cache.prepare_load(NS, [make_hash("a")])
     assert cache.delete(NS, [make_hash("a")]) == 1
     assert where(cache, "a") == [None]
-    assert bytes(cache.view(lease.slots[0])) == make_chunk("a")  # still readable
+    assert bytes(cache.view(lease.slots[0])) == make_chunk("a", CHUNK)  # still readable
     assert cache.tiers[0].used_bytes == CHUNK
     cache.release_load(lease.lease_id)
     assert cache.tiers[0].used_bytes == 0
@@ -209,7 +189,7 @@ def test_write_through_copies_committed_chunks_in_the_background(cache_factory) 
     ssd = cache.tiers[1]
     keys = cache._keys(NS, [make_hash("a"), make_hash("b")])
     assert ssd.contains_many(keys) == [True, True]
-    assert ssd.get(keys[0]) == make_chunk("a")
+    assert ssd.get(keys[0]) == make_chunk("a", CHUNK)
     # an evicted chunk already on the SSD is not written again
     written = cache.metrics.bytes_written.labels(tier="ssd")._value.get()
     put(cache, "c", "d", "e")
@@ -232,7 +212,7 @@ def test_bad_input_is_rejected_with_clear_errors(cache_factory) -> None:
     with pytest.raises(SizeMismatch, match=str(CHUNK)):
         cache.put(NS, make_hash("a"), b"x" * 10)
     with pytest.raises(UnknownNamespace, match="not registered"):
-        cache.lookup(make_namespace("other").namespace_id, [make_hash("a")])
+        cache.lookup(make_namespace(tenant="other", chunk_size=256).namespace_id, [make_hash("a")])
     with pytest.raises(InvalidArgument, match="32 bytes"):
         cache.lookup(NS, [b"short"])
     with pytest.raises(InvalidArgument, match="namespace id"):
@@ -257,7 +237,7 @@ def test_bad_lease_ttl_leaves_no_pin_behind(cache_factory) -> None:
 
 def test_namespaces_isolate_chunks(cache_factory) -> None:
     cache = cache_factory(4)
-    other = cache.register_namespace(make_namespace("tenant-b")).namespace_id
+    other = cache.register_namespace(make_namespace(tenant="tenant-b", chunk_size=256)).namespace_id
     put(cache, "a")
     assert cache.lookup(other, [make_hash("a")]).num_hit_chunks == 0
     assert cache.get(other, make_hash("a")) is None
@@ -286,7 +266,7 @@ def test_concurrent_clients_never_exceed_capacity_or_mix_bytes(cache_factory) ->
                     continue
                 lease = cache.prepare_load(NS, [make_hash(n) for n in run])
                 for n, slot in zip(run, lease.slots):
-                    assert bytes(cache.view(slot)) == make_chunk(n), n
+                    assert bytes(cache.view(slot)) == make_chunk(n, CHUNK), n
                 if lease.lease_id:
                     cache.release_load(lease.lease_id)
         except BaseException as e:
@@ -305,3 +285,18 @@ def test_concurrent_clients_never_exceed_capacity_or_mix_bytes(cache_factory) ->
     assert not over, over[:3]
     stats = cache.stats()
     assert stats.active_leases == 0 and stats.pending_stores == 0
+
+
+def test_the_cache_index_refuses_changes_outside_the_cache_lock_in_this_suite(
+    cache_factory,
+) -> None:
+    """Every cache test runs with the chunk index's lock check on (tests/conftest.py): a
+    change made without the cache's lock raises instead of racing."""
+    cache = cache_factory()
+    put(cache, "a")
+    key = make_chunk_keys(NS, [make_hash("a")])[0]
+    with pytest.raises(RuntimeError, match=r"ChunkIndex\.pin called without the cache's lock"):
+        cache._index.pin(key)
+    with cache._lock:
+        cache._index.pin(key)
+        assert cache._index.unpin(key) is False

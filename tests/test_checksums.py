@@ -12,9 +12,10 @@ import pytest
 
 from lmcache_svc.arena import Arena
 from lmcache_svc.cache import TieredCache
+from lmcache_svc.cache.settings import CacheSettings
+from lmcache_svc.cache.values import TierPolicy
 from lmcache_svc.client import CacheClient
 from lmcache_svc.keys import KVLayout, Namespace
-from lmcache_svc.policy import CacheSettings, TierPolicy
 from lmcache_svc.tiers.cpu import CpuTier
 from lmcache_svc.tiers.ssd import SsdTier
 from tests.server.inprocess import serve as serve  # the fixture

@@ -22,20 +22,15 @@ from lmcache_svc.keys import (
     parse_chunk_hash,
     parse_namespace_id,
 )
+from tests.helpers import make_namespace
+
+GOLDEN_LAYOUT = KVLayout("bfloat16", 4, 2, 64, 128, "vllm-cpu/HNC")  # layers, kv heads, head, block
 
 
-def make_namespace(**overrides: object) -> Namespace:
-    layout = KVLayout(
-        dtype="bfloat16",
-        num_layers=4,
-        num_kv_heads=2,
-        head_size=64,
-        block_size=128,
-        page_layout="vllm-cpu/HNC",
-    )
-    fields: dict[str, object] = {"model": "tiny-llama", "layout": layout, "chunk_size": 4}
-    fields.update(overrides)
-    return Namespace(**fields)  # type: ignore[arg-type]
+def golden_namespace(**overrides: object) -> Namespace:
+    """The namespace of the golden vectors below, with ``overrides`` for its fields."""
+    fields: dict[str, object] = {"model": "tiny-llama", "layout": GOLDEN_LAYOUT, "chunk_size": 4}
+    return make_namespace(**{**fields, **overrides})  # type: ignore[arg-type]
 
 
 GOLDEN_NAMESPACE_ID = "a5dcedf46c5f7fcd9ed5427b36a3f064"
@@ -47,7 +42,7 @@ GOLDEN_PARTIAL = "0894a6a6396e81cfbf5b825ba49a84b63fed342844a81a263b121e301e8f0d
 
 
 def test_golden_namespace_id_and_canonical_bytes() -> None:
-    ns = make_namespace()
+    ns = golden_namespace()
     assert ns.canonical_bytes() == (
         b'{"chunk_size":4,"key_version":1,"layout":{"block_size":128,"dtype":"bfloat16",'
         b'"head_size":64,"kv_planes":2,"num_kv_heads":2,"num_layers":4,'
@@ -59,14 +54,14 @@ def test_golden_namespace_id_and_canonical_bytes() -> None:
 
 
 def test_golden_chunk_hashes() -> None:
-    ns = make_namespace()
+    ns = golden_namespace()
     assert [h.hex() for h in chunk_hashes(ns, list(range(10)))] == GOLDEN_HASHES
     with_partial = chunk_hashes(ns, list(range(10)), include_partial=True)
     assert [h.hex() for h in with_partial] == [*GOLDEN_HASHES, GOLDEN_PARTIAL]
 
 
 def test_chain_matches_the_documented_formula() -> None:
-    ns = make_namespace()
+    ns = golden_namespace()
     seed = b"lmcache-svc/chunk/v1\x00"
     first = hashlib.sha256(seed + ns.namespace_id + np.arange(4, dtype="<u4").tobytes()).digest()
     second = hashlib.sha256(seed + first + np.arange(4, 8, dtype="<u4").tobytes()).digest()
@@ -79,7 +74,7 @@ def test_token_ids_are_little_endian_uint32() -> None:
 
 
 def test_same_tokens_same_keys_in_any_container() -> None:
-    ns = make_namespace()
+    ns = golden_namespace()
     tokens = list(range(100, 120))
     expected = chunk_hashes(ns, tokens)
     assert chunk_hashes(ns, tuple(tokens)) == expected
@@ -89,8 +84,8 @@ def test_same_tokens_same_keys_in_any_container() -> None:
 
 def test_keys_do_not_depend_on_python_hash_seed() -> None:
     code = (
-        "from tests.test_keys import make_namespace; from lmcache_svc.keys import chunk_hashes;"
-        "print(chunk_hashes(make_namespace(), list(range(10)))[1].hex())"
+        "from tests.test_keys import golden_namespace; from lmcache_svc.keys import chunk_hashes;"
+        "print(chunk_hashes(golden_namespace(), list(range(10)))[1].hex())"
     )
     for seed in ("0", "12345"):
         out = subprocess.run(
@@ -104,16 +99,16 @@ def test_keys_do_not_depend_on_python_hash_seed() -> None:
 
 
 def test_every_namespace_field_changes_the_keys() -> None:
-    base = make_namespace()
+    base = golden_namespace()
     layout = base.layout
     variants = [
-        make_namespace(model="other"),
-        make_namespace(tenant="tenant-b"),
-        make_namespace(tp_rank=1, tp_size=2),
-        make_namespace(chunk_size=8),
-        make_namespace(layout=KVLayout("float16", 4, 2, 64, 128, "vllm-cpu/HNC")),
-        make_namespace(layout=KVLayout("bfloat16", 4, 2, 64, 16, "vllm-cuda/NHC")),
-        make_namespace(layout=KVLayout("bfloat16", 4, 2, 64, 128, "vllm-cpu/HNC", kv_planes=1)),
+        golden_namespace(model="other"),
+        golden_namespace(tenant="tenant-b"),
+        golden_namespace(tp_rank=1, tp_size=2),
+        golden_namespace(chunk_size=8),
+        golden_namespace(layout=KVLayout("float16", 4, 2, 64, 128, "vllm-cpu/HNC")),
+        golden_namespace(layout=KVLayout("bfloat16", 4, 2, 64, 16, "vllm-cuda/NHC")),
+        golden_namespace(layout=KVLayout("bfloat16", 4, 2, 64, 128, "vllm-cpu/HNC", kv_planes=1)),
     ]
     ids = {v.namespace_id for v in variants} | {base.namespace_id}
     assert len(ids) == len(variants) + 1
@@ -123,7 +118,7 @@ def test_every_namespace_field_changes_the_keys() -> None:
 
 
 def test_prefix_property() -> None:
-    ns = make_namespace()
+    ns = golden_namespace()
     a = chunk_hashes(ns, list(range(12)))
     b = chunk_hashes(ns, list(range(8)) + [99, 98, 97, 96])
     assert a[:2] == b[:2] and a[2] != b[2]
@@ -132,7 +127,7 @@ def test_prefix_property() -> None:
 @pytest.mark.parametrize("tokens", [[-1], [2**32], [1.5], [[1, 2]]])
 def test_bad_token_ids_are_rejected(tokens: list) -> None:
     with pytest.raises(InvalidArgument):
-        chunk_hashes(make_namespace(), tokens)
+        chunk_hashes(golden_namespace(), tokens)
 
 
 @pytest.mark.parametrize(
@@ -149,11 +144,11 @@ def test_bad_token_ids_are_rejected(tokens: list) -> None:
 )
 def test_bad_namespaces_are_rejected(overrides: dict) -> None:
     with pytest.raises(InvalidArgument):
-        make_namespace(**overrides)
+        golden_namespace(**overrides)
 
 
 def test_namespace_dict_round_trip_and_errors() -> None:
-    ns = make_namespace(tenant="t1")
+    ns = golden_namespace(tenant="t1")
     assert Namespace.from_dict(ns.to_dict()) == ns
     broken = ns.to_dict()
     del broken["model"]

@@ -7,7 +7,6 @@ accounting and Redis's own keys are then compared.
 
 from __future__ import annotations
 
-import hashlib
 import uuid
 from collections.abc import Callable, Iterator
 
@@ -15,23 +14,15 @@ import pytest
 import redis
 
 from lmcache_svc.bench.redis_procs import RedisProc, send_command
+from lmcache_svc.cache.lower_tier_manager import LowerTierManager
+from lmcache_svc.cache.values import TierPolicy
 from lmcache_svc.keys import ChunkKey
-from lmcache_svc.lower import LowerTiers
 from lmcache_svc.metrics import Metrics
-from lmcache_svc.policy import TierPolicy
 from lmcache_svc.tiers.redis import HEADER, RedisTier
+from tests.helpers import make_chunk, make_key
 
 CHUNK = 4096
 BAD = {2, 5}
-
-
-def make_key(i: int) -> ChunkKey:
-    """Key ``i`` starts with the hex digits of ``i`` (so an ACL pattern can pick it)."""
-    return ChunkKey(bytes([i]) + hashlib.sha384(f"chunk-{i}".encode()).digest()[1:])
-
-
-def make_chunk(i: int) -> bytes:
-    return hashlib.sha256(f"payload-{i}".encode()).digest() * (CHUNK // 32)
 
 
 class Restricted:
@@ -77,17 +68,17 @@ def restricted(redis_server: RedisProc) -> Iterator[Callable[..., Restricted]]:
         r.close()
 
 
-def make_lower(tier: RedisTier) -> tuple[LowerTiers, Metrics]:
+def make_lower(tier: RedisTier) -> tuple[LowerTierManager, Metrics]:
     metrics = Metrics()
     policy = TierPolicy(accept_demotions=True, write_through=True)
-    return LowerTiers([(tier, policy)], metrics), metrics
+    return LowerTierManager([(tier, policy)], metrics), metrics
 
 
-def index_of(lower: LowerTiers) -> dict[ChunkKey, int]:
+def index_of(lower: LowerTierManager) -> dict[ChunkKey, int]:
     return dict(lower._tiers[0].index)
 
 
-def evict_all(lower: LowerTiers) -> int:
+def evict_all(lower: LowerTierManager) -> int:
     num = 0
     while lower._evict_one(0):
         num += 1

@@ -5,15 +5,16 @@ session ends; a late commit publishes nothing; quarantines count against the own
 from __future__ import annotations
 
 import hashlib
+import time
 from collections.abc import Iterator
 
 import pytest
 
 from lmcache_svc.arena import Arena
 from lmcache_svc.cache import TieredCache
+from lmcache_svc.cache.settings import CacheSettings
 from lmcache_svc.errors import InvalidArgument, ReservationExpired, ReservationLimit
 from lmcache_svc.keys import KVLayout, Namespace
-from lmcache_svc.policy import CacheSettings
 from lmcache_svc.tiers.cpu import CpuTier
 
 LAYOUT = KVLayout(
@@ -122,3 +123,19 @@ def test_inline_put_that_outlives_its_reservation_raises(make_cache) -> None:
         cache.put(NS_ID, h("a"), chunk("a"))
     cache._first.view = real_view
     assert cache.get(NS_ID, h("a")) is None and cache.tiers[0].used_bytes == 0
+
+
+def test_the_maintenance_interval_paces_background_expiry(make_cache) -> None:
+    """``cache.maintenance_interval_s`` is when the background thread looks for expired
+    reservations: one cache quarantines it within a poll, the other not before its interval."""
+    fast = make_cache(1, maintenance_interval_s=0.01)
+    slow = make_cache(1, maintenance_interval_s=60.0)
+    for cache in (fast, slow):
+        cache.start()
+        cache.prepare_store(NS_ID, [h("a")], session_id=cache.open_session(), ttl_s=0.05)
+    deadline = time.monotonic() + 10
+    while fast.num_pending_stores() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert fast.num_pending_stores() == 0  # quarantined by its maintenance thread
+    assert slow.num_pending_stores() == 1  # its first maintenance step is a minute away
+    assert slow.reap_expired() == 1  # expired all the same: only the background pace differs

@@ -46,4 +46,9 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
         "lmcache_svc.bench.scale",
         "server memory per indexed chunk; load time vs prefix length; lookup vs index size",
     ),
+    "workload": (
+        "lmcache_svc.bench.workload",
+        "many users in multi-turn conversations against vllm serve, driven by vllm bench "
+        "serve: plain vLLM vs vLLM + lmcache-svc (arena; arena + SSD)",
+    ),
 }

@@ -23,8 +23,8 @@ import xxhash
 
 from lmcache_svc.arena import Arena
 from lmcache_svc.cache import TieredCache
+from lmcache_svc.cache.settings import CacheSettings
 from lmcache_svc.keys import KVLayout, Namespace
-from lmcache_svc.policy import CacheSettings
 from lmcache_svc.tiers.cpu import CpuTier
 
 MIB = 1 << 20

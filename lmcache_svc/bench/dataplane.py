@@ -154,15 +154,18 @@ def _run(ctx: BenchContext, p: Params) -> Report:
             lmc, unavailable = _start_peer(ctx, p)  # its processes get OMP_NUM_THREADS too
         with (
             CacheClient(server.socket, timeout_s=120) as client,
+            CacheClient(server.socket, timeout_s=120, local_lookup=True) as index_client,
             httpx.Client(base_url=server.http_url, timeout=300) as http,
         ):
-            if not client.wait_shm_ready():
+            if not client.wait_shm_ready() or not index_client.shm_available:
                 raise RuntimeError("the server's shared segment could not be mapped here")
             for r in range(p.rounds):
                 ctx.progress(f"round {r + 1}/{p.rounds}: chunk sizes {SIZES_MIB} MiB")
                 _sweep_round(p, client, http, sweep)
                 ctx.progress(f"round {r + 1}/{p.rounds}: ours on LMCache's shape")
-                ours.append(run_ours_like_peer(client, p.lmcache_tokens, p.lmcache_calls))
+                ours.append(
+                    run_ours_like_peer(client, p.lmcache_tokens, p.lmcache_calls, index_client)
+                )
                 if lmc is not None and not unavailable:
                     ctx.progress(f"round {r + 1}/{p.rounds}: LMCache's client")
                     unavailable = _peer_round(ctx, p, lmc, r, theirs)
@@ -323,14 +326,18 @@ def _side_table(
     )  # fmt: skip
     o = _ours_medians(ours)
     verified = all(x.verified for x in ours)
-    table.add("lmcache-svc", gbps(call, o["store_s"]), gbps(call, o["load_s"]),
-              o["lookup_ms"], o["store_s"] * 1e3, o["load_s"] * 1e3, verified)  # fmt: skip
+    table.add("lmcache-svc (lookup: gRPC round trip)", gbps(call, o["store_s"]),
+              gbps(call, o["load_s"]), o["grpc_lookup_ms"], o["store_s"] * 1e3,
+              o["load_s"] * 1e3, verified)  # fmt: skip
+    if o["index_lookup_ms"] is not None:
+        table.add("lmcache-svc lookup from the shm index (the plugin's path)", "", "",
+                  o["index_lookup_ms"], "", "", "")  # fmt: skip
     if theirs:
         t = _peer_medians(theirs)
         table.add(f"LMCache {peer.LMCACHE_VERSION} (its own client)", gbps(call, t["store_s"]),
                   gbps(call, t["load_s"]), t["lookup_ms"], t["store_s"] * 1e3,
                   t["load_s"] * 1e3, all(x.checksum_ok == x.num_calls for x in theirs))  # fmt: skip
-        table.add("ratio (ours / LMCache; lookup: LMCache / ours)",
+        table.add("ratio (ours / LMCache; lookup: LMCache / ours, the plugin's path)",
                   t["store_s"] / o["store_s"], t["load_s"] / o["load_s"],
                   t["lookup_ms"] / o["lookup_ms"], "", "", "")  # fmt: skip
     else:
@@ -351,11 +358,17 @@ def _side_table(
     )
 
 
-def _ours_medians(ours: list[OursRun]) -> dict[str, float]:
+def _ours_medians(ours: list[OursRun]) -> dict[str, Any]:
+    """``lookup_ms``: the plugin's lookup (from the shm index when the run timed it)."""
+    grpc_ms = median([o.lookup_ms_p50 for o in ours])
+    index = [o.index_lookup_ms_p50 for o in ours if o.index_lookup_ms_p50 is not None]
+    index_ms = median(index) if index else None
     return {
         "store_s": median([o.store_s_p50 for o in ours]),
         "load_s": median([o.load_s_p50 for o in ours]),
-        "lookup_ms": median([o.lookup_ms_p50 for o in ours]),
+        "grpc_lookup_ms": grpc_ms,
+        "index_lookup_ms": index_ms,
+        "lookup_ms": index_ms if index_ms is not None else grpc_ms,
     }
 
 
@@ -414,10 +427,10 @@ def _targets(
     rpc_ms = median([x.empty_lookup_ms_p50 for x in ours])
     report.target(
         "lookup p50: LMCache / ours (x)", t["lookup_ms"] / o["lookup_ms"], 5.0,
-        why_missed=f"our lookup ({o['lookup_ms']:.2f} ms p50) is one gRPC round trip over the "
-        f"Unix socket; a Lookup of no hashes takes {rpc_ms:.2f} ms in the same run, so the "
-        "Python gRPC call itself, not the index, sets the floor; LMCache's lookup is two "
-        f"ZMQ round trips (LOOKUP + prefetch-status poll) at {t['lookup_ms']:.2f} ms",
+        why_missed=f"our lookup took {o['lookup_ms']:.3f} ms p50 (from the shm index: "
+        f"{o['index_lookup_ms']}; a gRPC Lookup {o['grpc_lookup_ms']:.2f} ms, a Lookup of no "
+        f"hashes {rpc_ms:.2f} ms); LMCache's lookup is two ZMQ round trips (LOOKUP + "
+        f"prefetch-status poll) at {t['lookup_ms']:.2f} ms",
     )  # fmt: skip
 
 

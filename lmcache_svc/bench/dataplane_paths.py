@@ -293,18 +293,3 @@ def time_rest_get(
                 raise RuntimeError(f"GET chunk: {resp.status_code} {resp.text[:200]}")
             _into(bufs.dst[bufs.row(i, j, len(hashes))], resp.content)
     return time.perf_counter() - start
-
-
-def time_lookups(
-    client: CacheClient, ns_id: bytes, requests: list[list[bytes]], repeat: int
-) -> list[float]:
-    """Seconds per ``lookup`` round trip of a whole request's hashes (all stored)."""
-    out: list[float] = []
-    for _ in range(repeat):
-        for hashes in requests:
-            start = time.perf_counter()
-            result = client.lookup(ns_id, hashes)
-            out.append(time.perf_counter() - start)
-            if result.num_hit_chunks != len(hashes):
-                raise RuntimeError(f"lookup hit {result.num_hit_chunks} of {len(hashes)}")
-    return out

@@ -30,13 +30,22 @@ class OursRun:
     lookup_ms_p99: float
     empty_lookup_ms_p50: float  # a Lookup of no hashes: the bare gRPC round trip here
     verified: bool
+    index_lookup_ms_p50: float | None = None  # from the shm lookup index (the plugin's path)
+    index_lookup_ms_p99: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
 
-def run_ours_like_peer(client: CacheClient, num_tokens: int, num_calls: int) -> OursRun:
-    """Per request: lookup (a miss), store, lookup (a hit, timed), load; then delete all."""
+def run_ours_like_peer(
+    client: CacheClient,
+    num_tokens: int,
+    num_calls: int,
+    index_client: CacheClient | None = None,
+) -> OursRun:
+    """Per request: lookup (a miss), store, lookup (a hit, timed), load; then delete all.
+    ``index_client`` (``local_lookup=True``, session open): the hit is also looked up, and
+    timed, in the server's shared-memory index, as the plugin's scheduler does."""
     call_bytes = peer.call_bytes(num_tokens)
     w = Workload(peer.CHUNK_BYTES, call_bytes * num_calls, call_bytes)
     bufs = Buffers(Workload(peer.CHUNK_BYTES, call_bytes, call_bytes))  # one request's pages
@@ -46,6 +55,9 @@ def run_ours_like_peer(client: CacheClient, num_tokens: int, num_calls: int) -> 
     load_s: list[float] = []
     lookup_s: list[float] = []
     empty_s: list[float] = []
+    index_s: list[float] = []
+    if index_client is not None:
+        index_client.register_namespace(namespace_for(peer.CHUNK_BYTES))
     verified = True
     try:
         for hashes in requests:
@@ -60,6 +72,12 @@ def run_ours_like_peer(client: CacheClient, num_tokens: int, num_calls: int) -> 
             empty_s.append(time.perf_counter() - start)
             if hit != len(hashes):
                 raise RuntimeError(f"lookup right after a store hit {hit} of {len(hashes)}")
+            if index_client is not None:
+                start = time.perf_counter()
+                hit = index_client.lookup(ns_id, hashes).num_hit_chunks
+                index_s.append(time.perf_counter() - start)
+                if hit != len(hashes):
+                    raise RuntimeError(f"index lookup after a store hit {hit}/{len(hashes)}")
             bufs.clear_dst()
             load_s.append(time_shm_load(client, ns_id, [hashes], bufs))
             verified = verified and bufs.verified()
@@ -74,4 +92,6 @@ def run_ours_like_peer(client: CacheClient, num_tokens: int, num_calls: int) -> 
         lookup_ms_p99=percentile(lookup_s, 99) * 1e3,
         empty_lookup_ms_p50=median(empty_s) * 1e3,
         verified=verified,
+        index_lookup_ms_p50=median(index_s) * 1e3 if index_s else None,
+        index_lookup_ms_p99=percentile(index_s, 99) * 1e3 if index_s else None,
     )

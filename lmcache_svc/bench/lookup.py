@@ -18,12 +18,16 @@ Measured for each index size and each prompt shape (full hit, miss at chunk 0, m
   ``POST /v1/lookup`` (httpx, one keep-alive connection);
 - baselines: a gRPC health check on the same channel (the transport's floor) and a Python
   dict lookup of the same 128 keys in a dict of the same size (the data structure's floor).
+
+At the largest index size, the same 32k-token prompt at 256-, 128- and 16-token chunks
+(``lookup_chunks.py``): what the vLLM plugin's chunk size costs per request.
 """
 
 from __future__ import annotations
 
 import gc
 import hashlib
+import math
 import os
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -42,10 +46,11 @@ from lmcache_svc.bench.report import Report
 from lmcache_svc.bench.runner import BenchContext
 from lmcache_svc.bench.stats import ms, percentile
 from lmcache_svc.cache import TieredCache
+from lmcache_svc.cache.settings import CacheSettings
 from lmcache_svc.client import CacheClient
+from lmcache_svc.client.transport import grpc_target
 from lmcache_svc.keys import KVLayout, Namespace, make_chunk_key
-from lmcache_svc.policy import CacheSettings
-from lmcache_svc.rpc import grpc_target
+from lmcache_svc.shm_index import MAX_LOAD, answer_locally, open_index_segments
 from lmcache_svc.slab import ALIGN
 from lmcache_svc.tiers.cpu import CpuTier
 from lmcache_svc.v1 import cache_pb2 as pb
@@ -56,6 +61,7 @@ FILL_BATCH = 8192
 TINY_LAYOUT = KVLayout("bfloat16", 1, 1, 4, 256, "bench/tiny")  # 16 bytes/token: 4 KiB chunks
 SERVER_ROW = "server-side (cache.lookup)"
 HANDLER_ROW = "server's own Lookup handler time (mean, its histogram)"
+INDEX_ROW = "shm lookup index (no round trip: the plugin's path)"
 SHAPES = ("full hit", "miss at chunk 0", "miss at chunk 64")
 
 
@@ -107,18 +113,50 @@ INDEX_ONLY_ENV = {"LMCACHE_SVC_CACHE__CHECKSUMS": "false"}
 would fault in the sparse segment's pages (and measure nothing a real store does)."""
 
 
-def start_index_only_server(work_dir: Path, capacity: int) -> ServerProc:
+def start_index_only_server(
+    work_dir: Path, capacity: int, index_chunks: int | None = None
+) -> ServerProc:
     """A server whose arena holds index entries only (payloads never written, so no
-    checksums are taken), not pre-faulted."""
+    checksums are taken), not pre-faulted; its shm lookup index sized for ``index_chunks``
+    (default: the server's own default size)."""
+    env = dict(INDEX_ONLY_ENV)
+    if index_chunks is not None:
+        slots = 1 << max(3, math.ceil(math.log2(index_chunks / MAX_LOAD)))
+        env["LMCACHE_SVC_CPU__LOOKUP_INDEX_SLOTS"] = str(slots)
     return start_server(
         work_dir,
         "--cpu-bytes",
         str(capacity),
         "--prefault",
         "off",
-        env=INDEX_ONLY_ENV,
+        env=env,
         timeout_s=60.0,
     )
+
+
+class IndexView:
+    """The server's shm lookup index as the plugin reads it: a session's index tables,
+    without mapping the (large, sparse) arena, answered by the same code as
+    ``CacheClient.lookup(..., local_lookup=True)``."""
+
+    def __init__(self, address: str, tenant: str) -> None:
+        self._channel = grpc.insecure_channel(grpc_target(address))
+        stub = pb_grpc.CacheServiceStub(self._channel)
+        self._stream = stub.OpenSession(pb.OpenSessionRequest(client_name="bench-lookup"))
+        self.readers = open_index_segments(next(self._stream).segments)
+        self._tenant = tenant
+        if tenant not in self.readers:
+            raise RuntimeError(f"the server's session lists no lookup index for {tenant!r}")
+
+    def lookup(self, hashes: Sequence[bytes]) -> int:
+        answer = answer_locally(self.readers, self._tenant, hashes)
+        if answer is None:
+            raise RuntimeError("the lookup index could not answer (overflowed or stale?)")
+        return answer[0]
+
+    def close(self) -> None:
+        self._stream.cancel()
+        self._channel.close()
 
 
 def _batches(start: int, stop: int) -> Iterator[list[bytes]]:
@@ -174,7 +212,9 @@ def fill_cache(cache: TieredCache, ns_id: bytes, start: int, stop: int) -> None:
 def inprocess_cache(capacity: int) -> Iterator[TieredCache]:
     """The server's cache objects in this process (no maintenance thread: nothing expires)."""
     arena = Arena.create(capacity, prefault="off")
-    cache = TieredCache(CpuTier(arena), settings=CacheSettings(reservation_ttl_s=600.0))
+    cache = TieredCache(
+        CpuTier(arena), settings=CacheSettings(reservation_ttl_s=600.0, max_reservation_ttl_s=600.0)
+    )
     try:
         yield cache
     finally:
@@ -244,6 +284,7 @@ class Clients:
     http: httpx.Client
     http_url: str
     filler: Filler
+    index: IndexView
 
     @classmethod
     def open(cls, server: ServerProc, ns: Namespace) -> Clients:
@@ -253,9 +294,11 @@ class Clients:
             client.wait_ready()
             client.register_namespace(ns)
         http = httpx.Client(timeout=30.0)
-        return cls(socket, tcp, http, server.http_url, Filler(server.socket))
+        index = IndexView(server.socket, ns.tenant)
+        return cls(socket, tcp, http, server.http_url, Filler(server.socket), index)
 
     def close(self) -> None:
+        self.index.close()
         self.filler.close()
         self.http.close()
         self.tcp.close()
@@ -273,6 +316,7 @@ def measure_paths(
     check_hits(clients.socket.lookup(ns_id, hashes).num_hit_chunks, shape, "unix socket")
     check_hits(clients.tcp.lookup(ns_id, hashes).num_hit_chunks, shape, "tcp gRPC")
     check_hits(rest_lookup(clients.http, clients.http_url, ns_id, hashes), shape, "REST")
+    check_hits(clients.index.lookup(hashes), shape, "shm lookup index")
     slow = max(20, iters // 4)
     before = handler_totals(clients)
     socket = time_calls(lambda: clients.socket.lookup(ns_id, hashes), iters)
@@ -280,6 +324,7 @@ def measure_paths(
     handler = Latency(ms((after[0] - before[0]) / max(1, after[1] - before[1])), None, iters)
     return handler, {
         SERVER_ROW: time_calls(lambda: cache.lookup(ns_id, hashes), iters),
+        INDEX_ROW: time_calls(lambda: clients.index.lookup(hashes), iters),
         "unix socket round trip": socket,
         "tcp gRPC round trip": time_calls(lambda: clients.tcp.lookup(ns_id, hashes), slow),
         "REST round trip": time_calls(
@@ -330,19 +375,36 @@ def run(ctx: BenchContext) -> Report:
     report = ctx.report()
     ns = tiny_namespace()
     capacity = arena_bytes(sizes[-1])
-    server = start_index_only_server(ctx.work_dir, capacity)
+    server = start_index_only_server(ctx.work_dir, capacity, index_chunks=sizes[-1])
     clients: Clients | None = None
     try:
         clients = Clients.open(server, ns)
         with inprocess_cache(capacity) as cache:
             cache.register_namespace(ns)
             _run_sizes(ctx, report, cache, clients, ns.namespace_id, sizes, iters)
+            _run_chunk_sizes(ctx, report, cache, clients.socket, ns.namespace_id, sizes[-1], iters)
     finally:
         if clients is not None:
             clients.close()
         server.stop()
         server.cleanup()
     return report
+
+
+def _run_chunk_sizes(
+    ctx: BenchContext,
+    report: Report,
+    cache: TieredCache,
+    client: CacheClient,
+    ns_id: bytes,
+    num_indexed: int,
+    iters: int,
+) -> None:
+    from lmcache_svc.bench.lookup_chunks import add_chunk_size_table, measure_chunk_sizes
+
+    ctx.progress(f"{num_indexed:,} chunks: one prompt at several chunk sizes")
+    costs = measure_chunk_sizes(cache, client, ns_id, num_indexed, iters)
+    add_chunk_size_table(report, costs, num_indexed)
 
 
 def _run_sizes(
@@ -390,6 +452,9 @@ def _run_sizes(
         "index filled with 4 KiB chunks (the smallest slab class) by prepare_store + "
         f"commit_store in batches of {FILL_BATCH:,}; payloads are not written (sparse arena)",
         "garbage collector off in the timing loop of this process (not in the server)",
+        "shm lookup index: the server's per-tenant table in shared memory read in this "
+        "process (a session's tables, the code CacheClient.lookup runs with local_lookup), "
+        "sized for the largest index",
         "server's own Lookup handler time: mean from the server's latency histogram "
         "(sum/count over the Unix socket calls, from handler entry to return: protobuf "
         "decoding and the gRPC transport excluded)",

@@ -175,7 +175,7 @@ def _write_report(
         "alternating which engine goes first; both engines live in their own processes and "
         "compute on one core (VLLM_CPU_NUM_OF_RESERVED_CPU=1).",
         "Cached tokens must be 0 for the plugin engine (nothing hits); the plugin still "
-        "looks every prompt up and stores every full 256-token chunk.",
+        "looks every prompt up and stores every full chunk (its default size: 128 tokens here).",
     ]
     if lookup:
         stats = report.table("Plugin activity during the measured rounds", ["figure", "value"])

@@ -3,8 +3,9 @@
 Background contexts of about 583, 2,773 and 6,064 tokens times queries of about 167, 303
 and 953 tokens (MemOS's KVCacheMemory evaluation), random token ids, a random-weight Llama
 (``bench_model.MEDIUM``: 8 layers, hidden 1024, 32 KiB of KV per token). Four strategies
-(``vllm_ttft.py``): (a) prompt only, (b) lmcache-svc hit in a fresh engine, (c) vLLM's own
-prefix-cache hit in the same engine, (d) vLLM's ExampleConnector hit in a fresh engine.
+(``vllm_ttft.py``): (a) prompt only, (b) lmcache-svc hit in a fresh engine with the plugin's
+defaults (no chunk settings), (c) vLLM's own prefix-cache hit in the same engine, (d) vLLM's
+ExampleConnector hit in a fresh engine. The targets are evaluated on (b).
 
 TTFT is timed inside the engine process, per request, as a streaming client sees it: from
 ``LLMEngine.add_request`` to the first ``step()`` that returns a generated token (the
@@ -13,9 +14,10 @@ strategies). Each cell has several queries (different random tokens of the same 
 (c) never hits the query itself); the table gives the median per cell.
 
 ``--set`` keys: ``model`` (tiny|medium), ``contexts`` / ``queries`` (comma-separated token
-counts), ``num_queries``, ``max_tokens``, ``chunk_size`` (the plugin's, default 256),
-``strategies`` (of a,b,b128,c,d; b128 is (b) with 128-token chunks = vLLM's block size),
-``seed``.
+counts), ``num_queries``, ``max_tokens``, ``chunk_size`` (configure (b)'s plugin with it;
+default: unset, so the plugin derives it from the block size), ``strategies`` (of
+a,b,b256,c,d; b256 is (b) with ``chunk_size: 256``, the plugin's default before it was
+derived from the block size), ``seed``.
 """
 
 from __future__ import annotations
@@ -28,7 +30,6 @@ from pathlib import Path
 from lmcache_svc.bench.procs import start_server
 from lmcache_svc.bench.report import Report
 from lmcache_svc.bench.runner import BenchContext
-from lmcache_svc.bench.stats import median
 from lmcache_svc.bench.vllm.engines import example_connector_config
 from lmcache_svc.bench.vllm_common import (
     MAX_MODEL_LEN,
@@ -39,7 +40,6 @@ from lmcache_svc.bench.vllm_common import (
     shape_named,
 )
 from lmcache_svc.bench.vllm_ttft import (
-    Cell,
     Results,
     Setup,
     Workload,
@@ -52,8 +52,9 @@ from lmcache_svc.bench.vllm_ttft import (
 )
 from lmcache_svc.bench.vllm_ttft_report import write_report
 
-STRATEGIES = ("a", "b", "b128", "c", "d")
-QUICK_STRATEGIES, FULL = "a,b,c,d", "a,b,b128,c,d"
+STRATEGIES = ("a", "b", "b256", "c", "d")
+QUICK_STRATEGIES = FULL = "a,b,c,d"
+EXPLICIT_CHUNKS = {"b256": 256}  # strategies that configure a chunk size of their own
 
 
 @dataclass(frozen=True)
@@ -63,7 +64,7 @@ class Params:
     queries: tuple[int, ...]
     num_queries: int
     max_tokens: int
-    chunk_size: int
+    chunk_size: int | None  # None: the plugin's default
     strategies: tuple[str, ...]
     seed: int
 
@@ -78,6 +79,8 @@ class Params:
         longest = max(self.contexts) + max(self.queries) + self.max_tokens
         if longest > MAX_MODEL_LEN:
             raise ValueError(f"longest prompt {longest} tokens > max_model_len {MAX_MODEL_LEN}")
+        if self.chunk_size is not None and self.chunk_size < 1:
+            raise ValueError(f"chunk_size must be positive, got {self.chunk_size}")
         if min(self.contexts + self.queries) < 1 or self.num_queries < 1 or self.max_tokens < 1:
             raise ValueError("contexts, queries, num_queries and max_tokens must be positive")
 
@@ -90,12 +93,21 @@ def params(ctx: BenchContext) -> Params:
         queries=_ints(ctx.option("queries", "167,953" if quick else "167,303,953")),
         num_queries=ctx.option("num_queries", 2 if quick else 3),
         max_tokens=ctx.option("max_tokens", 8),
-        chunk_size=ctx.option("chunk_size", 256),
+        chunk_size=_optional_int(ctx.option("chunk_size", None)),
         strategies=tuple(ctx.option("strategies", QUICK_STRATEGIES if quick else FULL).split(",")),
         seed=ctx.option("seed", 0),
     )
     p.check()
     return p
+
+
+def _optional_int(text: str | None) -> int | None:
+    if text is None:
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(f"chunk_size must be an integer, got {text!r}") from None
 
 
 def _ints(text: str) -> tuple[int, ...]:
@@ -156,7 +168,7 @@ def _run_strategies(
                 write_contexts(setup, workload, name, example_connector_config(storage_dir))
                 results[name] = example_connector(setup, workload, storage_dir)
             else:
-                chunk_size = 128 if name == "b128" else p.chunk_size
+                chunk_size = EXPLICIT_CHUNKS.get(name, p.chunk_size)
                 write_contexts(setup, workload, name, plugin_config(setup, chunk_size))
                 results[name] = lmcache_svc(
                     setup, workload, chunk_size=chunk_size, name=f"{name}-lmcache"
@@ -164,7 +176,3 @@ def _run_strategies(
     finally:
         shutil.rmtree(storage_dir, ignore_errors=True)
     return results
-
-
-def median_ttft(results: Results, cell: Cell) -> float:
-    return median([s.ttft_s for s in results[cell]])

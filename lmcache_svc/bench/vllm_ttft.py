@@ -7,7 +7,8 @@ limit, KV space and core reservation (``vllm_common.start_engine``).
   a   prompt only: vLLM's prefix cache off, every prompt computed in full
   b   lmcache-svc: a writer engine (plugin on) computes each context and stores it into the
       server; a fresh measuring engine (plugin on, vLLM's prefix cache off, so every
-      request's context comes from the server) serves context + query
+      request's context comes from the server) serves context + query. The plugin runs
+      with its defaults (no chunk settings: the chunk is derived from the block size)
   c   vLLM's own prefix cache in the same engine: the context is run once, then each
       context + query hits it (the in-engine upper bound)
   d   vLLM's ExampleConnector (safetensors files): a writer engine stores each context's
@@ -23,9 +24,13 @@ from pathlib import Path
 from typing import Any
 
 from lmcache_svc.bench.vllm.engines import EngineProc, example_connector_config, kv_transfer_config
-from lmcache_svc.bench.vllm_common import start_engine, wait_for_commits
+from lmcache_svc.bench.vllm_common import BLOCK_SIZE, start_engine, wait_for_commits
 
 Cell = tuple[int, int]  # (context tokens, query tokens)
+# The plugin's default chunk for the benchmarks' block size: the smallest multiple of the
+# block size of at least 128 tokens (``default_chunk_size`` in the plugin's config.py; a
+# test in tests/vllm checks the two agree).
+PLUGIN_DEFAULT_CHUNK = -(-128 // BLOCK_SIZE) * BLOCK_SIZE
 
 
 @dataclass(frozen=True)
@@ -54,7 +59,7 @@ class Setup:
     model_dir: Path
     log_dir: Path
     server_socket: str
-    chunk_size: int
+    chunk_size: int | None  # (b)'s configured chunk size; None: the plugin's default
     progress: Callable[[str], None]
 
 
@@ -114,13 +119,17 @@ def write_contexts(setup: Setup, workload: Workload, name: str, config: dict[str
         writer.close()
 
 
-def plugin_config(setup: Setup, chunk_size: int) -> dict[str, Any]:
+def plugin_config(setup: Setup, chunk_size: int | None) -> dict[str, Any]:
+    """The plugin's config: ``chunk_size`` None leaves it unset (the plugin's default)."""
+    if chunk_size is None:
+        return kv_transfer_config(setup.server_socket)
     return kv_transfer_config(setup.server_socket, chunk_size=chunk_size)
 
 
-def lmcache_svc(setup: Setup, workload: Workload, *, chunk_size: int, name: str) -> Results:
+def lmcache_svc(setup: Setup, workload: Workload, *, chunk_size: int | None, name: str) -> Results:
     """Measure (b); the contexts must have been written with ``plugin_config``."""
-    num_chunks = sum(len(c) // chunk_size for c in workload.contexts.values())
+    chunk = PLUGIN_DEFAULT_CHUNK if chunk_size is None else chunk_size
+    num_chunks = sum(len(c) // chunk for c in workload.contexts.values())
     held = wait_for_commits(setup.server_socket, num_chunks)
     setup.progress(f"  the server holds {held} chunks (the contexts alone: {num_chunks})")
     config = plugin_config(setup, chunk_size)

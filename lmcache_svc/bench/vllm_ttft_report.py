@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 from lmcache_svc.bench import plots
 from lmcache_svc.bench.report import Report
 from lmcache_svc.bench.stats import median
-from lmcache_svc.bench.vllm_ttft import Cell, Results
+from lmcache_svc.bench.vllm_ttft import PLUGIN_DEFAULT_CHUNK, Cell, Results
 
 if TYPE_CHECKING:
     from lmcache_svc.bench.ttft import Params
@@ -27,7 +27,7 @@ MEMOS_QWEN3_8B_REDUCTION_PCT: dict[Cell, float] = {
 LABELS = {
     "a": "(a) prompt only",
     "b": "(b) lmcache-svc",
-    "b128": "(b128) lmcache-svc, 128-token chunks",
+    "b256": "(b256) lmcache-svc, 256-token chunks",
     "c": "(c) vLLM prefix cache",
     "d": "(d) ExampleConnector",
 }
@@ -100,9 +100,8 @@ def write_report(report: Report, p: Params, results: dict[str, Results], out_dir
     out_dir.mkdir(parents=True, exist_ok=True)
     _ttft_table(report, p, results, cells, names)
     _served_table(report, results, cells, names)
-    for name in ("b", "b128"):
-        if name in results:
-            _targets(report, results, cells, name)
+    if "b" in results:  # the targets hold for what a user gets: (b)
+        _targets(report, results, cells, "b")
     mismatches = [output_mismatches(results, c) for c in cells]
     c_too = all(
         "c" in m for m in mismatches if any(num_first for num_first, _ in m.values())
@@ -171,7 +170,7 @@ def _ttft_table(
         f"first streamed token; median of {p.num_queries} different random queries per cell; "
         f"{p.max_tokens} greedy tokens per request compared across strategies.",
         "(a) prefix cache off; (b) fresh engine, plugin on, prefix cache off, contexts stored "
-        f"by another engine ({p.chunk_size}-token chunks); (c) same engine, context run "
+        f"by another engine ({_chunk_note(p)}); (c) same engine, context run "
         "first; (d) fresh engine, prefix cache off, ExampleConnector files written by another "
         "engine (the stock connector only hits a prompt stored whole, so (d) runs it with a "
         "prefix lookup: example_prefix.py).",
@@ -190,10 +189,17 @@ def _served_table(
     for cell in cells:
         table.add(cell[0], cell[1], *(_served(results, n, cell) for n in names))
     table.notes.append(
-        "The plugin serves whole chunks (256 tokens by default), vLLM's cache and the "
+        "The plugin serves whole chunks (by default the smallest multiple of vLLM's block "
+        f"size of at least 128 tokens: {PLUGIN_DEFAULT_CHUNK} here), vLLM's cache and the "
         "ExampleConnector whole 128-token blocks, and every strategy computes at least the "
         "last prompt token: fewer served tokens mean more tokens computed."
     )
+
+
+def _chunk_note(p: Params) -> str:
+    if p.chunk_size is None:
+        return f"the plugin's defaults: no chunk settings, {PLUGIN_DEFAULT_CHUNK}-token chunks"
+    return f"chunk_size {p.chunk_size}"
 
 
 def _targets(report: Report, results: dict[str, Results], cells: list[Cell], name: str) -> None:
@@ -201,9 +207,9 @@ def _targets(report: Report, results: dict[str, Results], cells: list[Cell], nam
         worst = max(cells, key=lambda c: _med(results, name, c) / _med(results, "c", c))
         ratio = _med(results, name, worst) / _med(results, "c", worst)
         report.target(
-            f"({name}) TTFT / (c) TTFT, worst cell (ctx {worst[0]}, q {worst[1]})",
+            f"({name}) TTFT / (c) TTFT, worst of {len(cells)} cells (ctx {worst[0]}, q {worst[1]})",
             ratio,
-            1.2,
+            1.1,
             lower_is_better=True,
             why_missed=_served_gap(results, name, "c", worst),
         )
@@ -248,4 +254,6 @@ def _served_gap(results: dict[str, Results], name: str, other: str, cell: Cell) 
     if any(s.num_cached_tokens == 0 for s in results[name][cell]):
         return "a lookup timed out in that cell (that request was computed in full)"
     gap = _served(results, other, cell) - _served(results, name, cell)
-    return f"({other}) served {gap} more tokens in that cell (chunk alignment)" if gap > 0 else ""
+    if gap > 0:
+        return f"({other}) served {gap} more tokens in that cell (chunk alignment)"
+    return f"({name}) served as many tokens as ({other}) there: the difference is the load itself"

@@ -82,8 +82,3 @@ def build_cache(layers: Sequence[LayerKV]) -> DynamicCache:
     for index, (keys, values) in enumerate(layers):
         cache.update(keys, values, index)
     return cache
-
-
-def copy_cache(cache: object) -> DynamicCache:
-    """A deep copy: nothing done to the result can reach ``cache``'s tensors."""
-    return build_cache([(k.clone(), v.clone()) for k, v in cache_layers(cache)])

@@ -15,15 +15,18 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import grpc
 import uvicorn
 
 from lmcache_svc.arena import Arena, remove_orphan_segments
 from lmcache_svc.cache import TieredCache
+from lmcache_svc.cache.settings import CacheSettings
+from lmcache_svc.cache.values import TierPolicy
 from lmcache_svc.config import Config
 from lmcache_svc.errors import ConfigError
+from lmcache_svc.index_publisher import lookup_index
 from lmcache_svc.memories.store import MemoryStore
 from lmcache_svc.metrics import Metrics
-from lmcache_svc.policy import CacheSettings, TierPolicy
 from lmcache_svc.server.grpc import build_grpc_server, set_serving
 from lmcache_svc.server.grpc_memories import add_memory_service
 from lmcache_svc.server.http import create_app
@@ -36,7 +39,8 @@ log = logging.getLogger("lmcache_svc")
 
 
 def build_cache(config: Config) -> TieredCache:
-    """The tiers in order (CPU arena, then SSD and Redis when configured) and the policy."""
+    """The tiers in order (CPU arena, then HBM, SSD and Redis when configured) and the
+    policy."""
     c = config.cpu
     arena = Arena.create(
         int(c.capacity),
@@ -47,6 +51,13 @@ def build_cache(config: Config) -> TieredCache:
     )
     lower: list[tuple[Tier, TierPolicy]] = []
     try:
+        h = config.hbm
+        if h.capacity is not None:
+            from lmcache_svc.tiers.hbm import DevicePool, HbmTier
+
+            pool = DevicePool.allocate(int(h.capacity), h.device)  # ConfigError without CUDA
+            hbm = HbmTier(pool, slab_bytes=h.slab_bytes())
+            lower.append((hbm, TierPolicy(h.accept_demotions, write_through=False)))
         s = config.ssd
         if s.path is not None:
             from lmcache_svc.tiers.ssd import SsdTier
@@ -79,21 +90,10 @@ def build_cache(config: Config) -> TieredCache:
         for made, _ in lower:
             made.close()
         raise
-    k = config.cache
-    settings = CacheSettings(
-        high_watermark=k.high_watermark,
-        low_watermark=k.low_watermark,
-        lease_ttl_s=k.lease_ttl_s,
-        max_lease_ttl_s=k.max_lease_ttl_s,
-        reservation_ttl_s=k.reservation_ttl_s,
-        max_reservation_ttl_s=k.max_reservation_ttl_s,
-        max_reserved_fraction=k.max_reserved_fraction,
-        max_chunks_per_request=k.max_chunks_per_request,
-        max_namespaces=k.max_namespaces,
-        max_chunk_bytes=int(config.max_body_bytes),
-        checksums=k.checksums,
-    )
-    return TieredCache(CpuTier(arena), lower, settings=settings, metrics=Metrics())
+    settings = CacheSettings.from_config(config)
+    first = CpuTier(arena)
+    index = lookup_index(config, first.name)
+    return TieredCache(first, lower, settings=settings, metrics=Metrics(), lookup_index=index)
 
 
 def build_memory_store(config: Config) -> MemoryStore:
@@ -172,15 +172,19 @@ class Service:
             log.warning("removed shared-memory segment %s: its server was killed", name)
         memories = build_memory_store(cfg)
         cache = build_cache(cfg)
-        cache.start()
-        cache.metrics.watch_memories(memories.usage)
-        grpc_server, servicer, health = build_grpc_server(
-            cache,
-            max_body_bytes=int(cfg.max_body_bytes),
-            workers=cfg.grpc_workers,
-            auth=self.auth,
-        )
-        add_memory_service(grpc_server, memories, cache.metrics, self.auth)
+        try:  # until the try below owns it: a failure here must not leave the arena behind
+            cache.start()
+            cache.metrics.watch_memories(memories.usage)
+            grpc_server, servicer, health = build_grpc_server(
+                cache,
+                max_body_bytes=int(cfg.max_body_bytes),
+                workers=cfg.grpc_workers,
+                auth=self.auth,
+            )
+            add_memory_service(grpc_server, memories, cache.metrics, self.auth)
+        except BaseException:
+            cache.close()
+            raise
         addresses: dict[str, Any] = {"shm": cache.segment().name, "pid": os.getpid()}
         http: _Uvicorn | None = None
         http_task: asyncio.Task[None] | None = None
@@ -189,9 +193,7 @@ class Service:
                 grpc_server.add_insecure_port(f"unix:{cfg.socket}")
                 addresses["socket"] = str(cfg.socket)
             if cfg.grpc_port is not None:
-                port = grpc_server.add_insecure_port(_host_port(cfg.host, cfg.grpc_port))
-                if port == 0:
-                    raise ConfigError(f"cannot listen on {cfg.host}:{cfg.grpc_port} for gRPC")
+                port = _add_grpc_port(grpc_server, cfg.host, cfg.grpc_port)
                 addresses["grpc"] = _host_port(cfg.host, port)
             await grpc_server.start()
             if cfg.socket is not None:
@@ -237,6 +239,17 @@ class Service:
             tmp = self.config.ready_file.with_suffix(".tmp")
             tmp.write_text(line + "\n")
             tmp.replace(self.config.ready_file)
+
+
+def _add_grpc_port(server: grpc.aio.Server, host: str, port: int) -> int:
+    """Listen on ``host:port`` (0: any free port); the port bound."""
+    try:
+        bound = server.add_insecure_port(_host_port(host, port))
+    except RuntimeError:  # grpcio raises when the bind fails (in use, not an address here)
+        bound = 0
+    if bound == 0:
+        raise ConfigError(f"cannot listen on {host}:{port} for gRPC (in use or not available)")
+    return bound
 
 
 def _host_port(host: str, port: int) -> str:

@@ -18,7 +18,7 @@ import secrets
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -36,22 +36,25 @@ from lmcache_svc.errors import (
 from lmcache_svc.keys import check_chunk_hash
 from lmcache_svc.metrics import Metrics
 from lmcache_svc.server.grpc_auth import AuthInterceptor
+from lmcache_svc.server.grpc_index import index_segments
+from lmcache_svc.server.stats import stats_fields
 from lmcache_svc.server.status import INTERNAL_KIND, grpc_code
 from lmcache_svc.server.tokens import Authenticator, make_authenticator
 from lmcache_svc.v1 import cache_pb2 as pb
 from lmcache_svc.v1 import cache_pb2_grpc as pb_grpc
-from lmcache_svc.wire import ERROR_KIND_KEY, PIECE_BYTES, channel_options, namespace_from_pb
+from lmcache_svc.wire import (
+    ERROR_KIND_KEY,
+    PIECE_BYTES,
+    STORE_STATUS_CODES,
+    channel_options,
+    medium_to_pb,
+    namespace_from_pb,
+)
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 SERVICE_NAME = "lmcache_svc.v1.CacheService"
-_STORE_STATUS = {
-    "reserved": pb.RESERVED,
-    "already_stored": pb.ALREADY_STORED,
-    "no_space": pb.NO_SPACE,
-    "in_progress": pb.IN_PROGRESS,
-}
 
 
 async def _abort(
@@ -73,12 +76,21 @@ async def _abort(
     await context.abort(grpc_code(error), message)
 
 
-def _rpc(method: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
+class _Servicer(Protocol):
+    _metrics: Metrics
+
+
+S = TypeVar("S", bound=_Servicer)
+R = TypeVar("R")  # a request message, or a stream of them
+Handler = Callable[[S, R, grpc.aio.ServicerContext], Awaitable[T]]
+
+
+def _rpc(method: Handler[S, R, T]) -> Handler[S, R, T]:
     """Count and time a unary call; turn errors into status codes (``_abort``)."""
     name = method.__name__
 
     @functools.wraps(method)
-    async def wrapper(self: CacheServicer, request: Any, context: grpc.aio.ServicerContext) -> T:
+    async def wrapper(self: S, request: R, context: grpc.aio.ServicerContext) -> T:
         start = time.perf_counter()
         code = grpc.StatusCode.OK
         try:
@@ -110,14 +122,14 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
             max_workers=workers, thread_name_prefix="lmcache-svc-arena"
         )
         self._stopping = asyncio.Event()
-        # With the CPU tier alone, prepare/commit/delete only touch in-memory indices (no
-        # disk, no network): running them on the event loop saves two thread hand-offs per
-        # call (~0.1-0.2 ms of a 0.6 ms round trip here). Lower tiers may block: pools.
-        self._inline_slots = len(cache.tiers) == 1
+        # When no tier may block (no disk, no network: the CPU tier alone), prepare/commit/
+        # delete only touch memory: running them on the event loop saves two thread
+        # hand-offs per call (~0.1-0.2 ms of a 0.6 ms round trip here). Otherwise: pools.
+        self._inline_slots = not any(t.may_block for t in cache.tiers)
         self._first = cache.tiers[0]
 
     async def _slots(self, fn: Callable[..., T], *args: Any, arena_only: bool, **kwargs: Any) -> T:
-        """A slot operation: inline when it cannot block (CPU tier only), else on the arena
+        """A slot operation: inline when it cannot block (no tier may), else on the arena
         pool when the caller knows it needs only the arena, else on the lower-tier pool."""
         if self._inline_slots:
             return fn(*args, **kwargs)
@@ -147,13 +159,17 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
         self._arena_pool.shutdown(wait=False)
 
     @_rpc
-    async def RegisterNamespace(self, request: Any, context: Any) -> pb.RegisterNamespaceResponse:
+    async def RegisterNamespace(
+        self, request: pb.RegisterNamespaceRequest, context: grpc.aio.ServicerContext
+    ) -> pb.RegisterNamespaceResponse:
         ns = self._cache.register_namespace(namespace_from_pb(request.namespace))
         return pb.RegisterNamespaceResponse(
             namespace_id=ns.namespace_id, chunk_bytes=ns.chunk_bytes
         )
 
-    async def OpenSession(self, request: Any, context: Any) -> AsyncIterator[pb.SessionEvent]:
+    async def OpenSession(
+        self, request: pb.OpenSessionRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.SessionEvent]:
         try:
             session_id = self._cache.open_session()
             seg = self._cache.segment()
@@ -170,7 +186,8 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
                 segments=[
                     pb.Segment(
                         transport=seg.transport, name=seg.name, size=seg.size, nonce=seg.nonce
-                    )
+                    ),
+                    *index_segments(self._cache),
                 ],
             )
             await self._stopping.wait()
@@ -179,13 +196,19 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
             await self._slots(self._cache.close_session, session_id, arena_only=True)
 
     @_rpc
-    async def Lookup(self, request: Any, context: Any) -> pb.LookupResponse:
+    async def Lookup(
+        self, request: pb.LookupRequest, context: grpc.aio.ServicerContext
+    ) -> pb.LookupResponse:
         # The in-memory indices first (inline); only a lookup that must ask a shared tier
         # (Redis) goes to the lower-tier pool.
         result = self._cache.lookup_local(request.namespace_id, request.chunk_hashes)
         if result is None:
             result = await self._run(self._cache.lookup, request.namespace_id, request.chunk_hashes)
-        return pb.LookupResponse(num_hit_chunks=result.num_hit_chunks, tiers=result.tiers)
+        return pb.LookupResponse(
+            num_hit_chunks=result.num_hit_chunks,
+            tiers=result.tiers,
+            media=[medium_to_pb(m) for m in result.media],
+        )
 
     def _check_session(self, session_id: str) -> None:
         if session_id and not self._cache.has_session(session_id):
@@ -204,7 +227,9 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
             )
 
     @_rpc
-    async def PrepareStore(self, request: Any, context: Any) -> pb.PrepareStoreResponse:
+    async def PrepareStore(
+        self, request: pb.PrepareStoreRequest, context: grpc.aio.ServicerContext
+    ) -> pb.PrepareStoreResponse:
         self._require_session(request.session_id, "PrepareStore")
         self._check_session(request.session_id)
         prepared = await self._slots(
@@ -218,7 +243,7 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
         slots = [
             pb.PreparedSlot(
                 chunk_hash=p.chunk_hash,
-                status=_STORE_STATUS[p.status],
+                status=STORE_STATUS_CODES[p.status],
                 offset=p.slot.offset if p.slot else 0,
                 length=p.slot.length if p.slot else 0,
             )
@@ -227,7 +252,9 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
         return pb.PrepareStoreResponse(slots=slots, segment_name=self._cache.segment().name)
 
     @_rpc
-    async def CommitStore(self, request: Any, context: Any) -> pb.CommitStoreResponse:
+    async def CommitStore(
+        self, request: pb.CommitStoreRequest, context: grpc.aio.ServicerContext
+    ) -> pb.CommitStoreResponse:
         self._require_session(request.session_id, "CommitStore")
         if request.reserved_as:
             if request.abort:
@@ -252,10 +279,12 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
         return pb.CommitStoreResponse(num_committed=num)
 
     @_rpc
-    async def PrepareLoad(self, request: Any, context: Any) -> pb.PrepareLoadResponse:
+    async def PrepareLoad(
+        self, request: pb.PrepareLoadRequest, context: grpc.aio.ServicerContext
+    ) -> pb.PrepareLoadResponse:
         self._check_session(request.session_id)
         args = (self._cache.prepare_load, request.namespace_id, request.chunk_hashes)
-        kwargs = {
+        kwargs: dict[str, Any] = {
             "session_id": request.session_id or None,
             "ttl_s": request.ttl_ms / 1000,
             "verify": request.verify,
@@ -274,11 +303,15 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
         )
 
     @_rpc
-    async def ReleaseLoad(self, request: Any, context: Any) -> pb.ReleaseLoadResponse:
+    async def ReleaseLoad(
+        self, request: pb.ReleaseLoadRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ReleaseLoadResponse:
         return pb.ReleaseLoadResponse(released=self._cache.release_load(request.lease_id))
 
     @_rpc
-    async def Put(self, request_iterator: Any, context: Any) -> pb.PutResponse:
+    async def Put(
+        self, request_iterator: AsyncIterator[pb.ChunkPart], context: grpc.aio.ServicerContext
+    ) -> pb.PutResponse:
         counts = _PutCounts()
         upload: _Upload | None = None
         parts = aiter(request_iterator)
@@ -317,7 +350,9 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
             )
         return _Upload(self._cache, header.namespace_id, check_chunk_hash(header.chunk_hash))
 
-    async def Get(self, request: Any, context: Any) -> AsyncIterator[pb.ChunkPart]:
+    async def Get(
+        self, request: pb.GetRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.ChunkPart]:
         start = time.perf_counter()
         code = "OK"
         try:
@@ -358,33 +393,24 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
             )
 
     @_rpc
-    async def Delete(self, request: Any, context: Any) -> pb.DeleteResponse:
+    async def Delete(
+        self, request: pb.DeleteRequest, context: grpc.aio.ServicerContext
+    ) -> pb.DeleteResponse:
         num = await self._slots(
             self._cache.delete, request.namespace_id, request.chunk_hashes, arena_only=False
         )
         return pb.DeleteResponse(num_deleted=num)
 
     @_rpc
-    async def Stats(self, request: Any, context: Any) -> pb.StatsResponse:
-        s = self._cache.stats()
-        return pb.StatsResponse(
-            tiers=[
-                pb.TierState(
-                    name=t.name,
-                    capacity_bytes=t.capacity_bytes,
-                    used_bytes=t.used_bytes,
-                    num_chunks=t.num_chunks,
-                )
-                for t in s.tiers
-            ],
-            active_leases=s.active_leases,
-            pending_stores=s.pending_stores,
-            num_namespaces=s.num_namespaces,
-            version=__version__,
-        )
+    async def Stats(
+        self, request: pb.StatsRequest, context: grpc.aio.ServicerContext
+    ) -> pb.StatsResponse:
+        return pb.StatsResponse(**stats_fields(self._cache), version=__version__)
 
 
-async def _next_part(parts: AsyncIterator[pb.ChunkPart], upload: _Upload | None) -> Any:
+async def _next_part(
+    parts: AsyncIterator[pb.ChunkPart], upload: _Upload | None
+) -> pb.ChunkPart | None:
     """The stream's next part (None at its end); a client that stalls while an upload holds
     a reservation gets ``ReservationExpired`` when the reservation runs out."""
     timeout = upload.seconds_left() if upload is not None else None

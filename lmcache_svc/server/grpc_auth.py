@@ -20,6 +20,7 @@ from lmcache_svc.cache import TieredCache
 from lmcache_svc.errors import LMCacheSvcError
 from lmcache_svc.metrics import Metrics
 from lmcache_svc.server.auth import Principal
+from lmcache_svc.server.grpc_index import note_caller
 from lmcache_svc.server.status import grpc_code
 from lmcache_svc.server.tokens import Authenticator
 from lmcache_svc.wire import ERROR_KIND_KEY, namespace_from_pb
@@ -52,7 +53,7 @@ class _Policy:
 
 _CACHE_POLICIES: dict[str, _Policy] = {
     "RegisterNamespace": _Policy(_register),
-    "OpenSession": _Policy(_anyone),
+    "OpenSession": _Policy(note_caller),  # its lookup-index tables: the caller's tenant
     "Lookup": _Policy(_own_namespace_id),
     "PrepareStore": _Policy(_own_namespace_id, write=True),
     "CommitStore": _Policy(_own_namespace_id, write=True),

@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
-from typing import Any
 
 import grpc
 
@@ -38,12 +37,14 @@ class MemoryServicer(pb_grpc.MemoryServiceServicer):
         return caller_tenant(principal_of(self._auth, header if isinstance(header, str) else None))
 
     @_rpc
-    async def PutMemory(self, request_iterator: Any, context: Any) -> pb.PutMemoryResponse:
+    async def PutMemory(
+        self, request_iterator: AsyncIterator[pb.MemoryPart], context: grpc.aio.ServicerContext
+    ) -> pb.PutMemoryResponse:
         blob = await self._receive_blob(request_iterator)
         info, created = await asyncio.to_thread(self._store.put, self._tenant(context), blob)
         return pb.PutMemoryResponse(memory=memory_info_to_pb(info), created=created)
 
-    async def _receive_blob(self, request_iterator: Any) -> bytearray:
+    async def _receive_blob(self, request_iterator: AsyncIterator[pb.MemoryPart]) -> bytearray:
         length: int | None = None
         blob = bytearray()
         async for part in request_iterator:
@@ -66,7 +67,9 @@ class MemoryServicer(pb_grpc.MemoryServiceServicer):
             raise InvalidArgument(f"PutMemory stream ended after {len(blob)} of {length} bytes")
         return blob
 
-    async def GetMemory(self, request: Any, context: Any) -> AsyncIterator[pb.MemoryPart]:
+    async def GetMemory(
+        self, request: pb.GetMemoryRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.MemoryPart]:
         start = time.perf_counter()
         code = grpc.StatusCode.OK
         try:
@@ -92,12 +95,16 @@ class MemoryServicer(pb_grpc.MemoryServiceServicer):
             )
 
     @_rpc
-    async def ListMemories(self, request: Any, context: Any) -> pb.ListMemoriesResponse:
+    async def ListMemories(
+        self, request: pb.ListMemoriesRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ListMemoriesResponse:
         infos = self._store.list(self._tenant(context))
         return pb.ListMemoriesResponse(memories=[memory_info_to_pb(i) for i in infos])
 
     @_rpc
-    async def DeleteMemory(self, request: Any, context: Any) -> pb.DeleteMemoryResponse:
+    async def DeleteMemory(
+        self, request: pb.DeleteMemoryRequest, context: grpc.aio.ServicerContext
+    ) -> pb.DeleteMemoryResponse:
         deleted = await asyncio.to_thread(
             self._store.delete, self._tenant(context), request.memory_id
         )

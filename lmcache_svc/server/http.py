@@ -74,10 +74,10 @@ from lmcache_svc.server.http_models import (
     StatsResponse,
     StatusResponse,
     StoreResponse,
-    TierStatsModel,
     error_responses,
 )
 from lmcache_svc.server.http_server import ConnectionLimits, make_uvicorn_config
+from lmcache_svc.server.stats import stats_fields
 from lmcache_svc.server.tokens import Authenticator, make_authenticator
 
 TIER_HEADER = "X-LMCache-Tier"
@@ -407,21 +407,7 @@ def _parse_listed_hash(index: int, value: str) -> ChunkHash:
 
 @_route("GET", "/v1/stats", summary="Tier usage, leases and namespaces", tags=["operations"])
 def stats(state: State) -> StatsResponse:
-    s = state.cache.stats()
-    return StatsResponse(
-        tiers=[
-            TierStatsModel(
-                name=t.name,
-                capacity_bytes=t.capacity_bytes,
-                used_bytes=t.used_bytes,
-                num_chunks=t.num_chunks,
-            )
-            for t in s.tiers
-        ],
-        active_leases=s.active_leases,
-        pending_stores=s.pending_stores,
-        num_namespaces=s.num_namespaces,
-    )
+    return StatsResponse.model_validate(stats_fields(state.cache))
 
 
 @_route(

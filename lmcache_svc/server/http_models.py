@@ -6,47 +6,62 @@ so a malformed one is our 400 (``InvalidArgument``), not a 422 validation error.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+import dataclasses
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, create_model
 
-from lmcache_svc.keys import DEFAULT_CHUNK_SIZE, KEY_FORMAT_VERSION, MAX_FIELD_VALUE, Namespace
+from lmcache_svc.keys import MAX_FIELD_VALUE, KVLayout, Namespace
 
 
 class StrictModel(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
-def _bounded(low: int, **options: Any) -> Any:
-    """An integer field's documented range. ``keys.Namespace`` enforces it, so a value out
-    of range is a 400 naming the field (a wrong type stays a 422)."""
-    return Field(json_schema_extra={"minimum": low, "maximum": MAX_FIELD_VALUE}, **options)
-
-
-class KVLayoutModel(StrictModel):
-    dtype: StrictStr = Field(examples=["bfloat16"])
-    num_layers: StrictInt = _bounded(1)
-    num_kv_heads: StrictInt = _bounded(1, description="KV heads held by this tensor-parallel rank")
-    head_size: StrictInt = _bounded(1)
-    block_size: StrictInt = _bounded(1)
-    page_layout: StrictStr = Field(examples=["vllm-cpu/NHC"])
-    kv_planes: StrictInt = Field(2, description="2 for separate K and V, 1 for MLA")
-
-
-class NamespaceModel(StrictModel):
-    """``Namespace.to_dict()`` form. ``chunk_size`` times the layout's bytes per token (the
-    namespace's ``chunk_bytes``) must not exceed the server's ``max_body_bytes``."""
-
-    model: StrictStr
-    layout: KVLayoutModel
-    chunk_size: StrictInt = _bounded(1, default=DEFAULT_CHUNK_SIZE)
-    tp_rank: StrictInt = _bounded(0, default=0)
-    tp_size: StrictInt = _bounded(1, default=1)
-    tenant: StrictStr = "default"
-    key_version: StrictInt = KEY_FORMAT_VERSION
+class NamespaceBody(StrictModel):
+    """Base of the generated ``NamespaceModel``: its way back to ``keys.Namespace``."""
 
     def to_namespace(self) -> Namespace:
         return Namespace.from_dict(self.model_dump())
+
+
+def _field(f: dataclasses.Field[Any], types: dict[str, Any]) -> tuple[Any, Any]:
+    """A dataclass field as a pydantic field: strict type, default, and the documented range
+    (``keys.documented``). ``keys.Namespace`` enforces the range, so a value out of it is a
+    400 naming the field (a wrong type stays a 422)."""
+    if f.type not in types:
+        raise TypeError(f"no REST type for {f.name}: {f.type}")
+    low = f.metadata.get("minimum")
+    extra = None if low is None else {"minimum": low, "maximum": MAX_FIELD_VALUE}
+    default = ... if f.default is dataclasses.MISSING else f.default
+    info = Field(
+        default,
+        description=f.metadata.get("description"),
+        examples=f.metadata.get("examples"),
+        json_schema_extra=extra,
+    )
+    return types[f.type], info
+
+
+def _model_of(cls: type, base: type[StrictModel], types: dict[str, Any], doc: str | None) -> Any:
+    """The REST model of a ``keys`` dataclass, generated from its fields (one source)."""
+    body: dict[str, Any] = {f.name: _field(f, types) for f in dataclasses.fields(cls) if f.init}
+    return create_model(f"{cls.__name__}Model", __base__=base, __doc__=doc, **body)
+
+
+if TYPE_CHECKING:
+    KVLayoutModel = StrictModel
+    NamespaceModel = NamespaceBody
+else:
+    _SCALARS = {"str": StrictStr, "int": StrictInt}
+    KVLayoutModel = _model_of(KVLayout, StrictModel, _SCALARS, None)
+    NamespaceModel = _model_of(
+        Namespace,
+        NamespaceBody,
+        {**_SCALARS, "KVLayout": KVLayoutModel},
+        """``Namespace.to_dict()`` form. ``chunk_size`` times the layout's bytes per token (the
+namespace's ``chunk_bytes``) must not exceed the server's ``max_body_bytes``.""",
+    )
 
 
 NAMESPACE_ID_PATTERN = "^[0-9a-fA-F]{32}$"

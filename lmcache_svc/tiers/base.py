@@ -2,8 +2,8 @@
 
 A tier is a storage medium for chunk bytes, one object in the cache's ordered list (fastest
 first). A tier enforces its own capacity (``put`` answers ``False`` rather than exceed it) but
-knows nothing of eviction order, demotion or leases: that policy lives in ``cache.py``, which
-never branches on which tier it is talking to.
+knows nothing of eviction order, demotion or leases: that policy lives in the ``cache``
+package, which never branches on which tier it is talking to.
 
 Two kinds:
 
@@ -19,12 +19,21 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar, Literal
 
 from lmcache_svc.errors import TierError
 from lmcache_svc.keys import ChunkKey
 
 Buffer = bytes | bytearray | memoryview
+
+Medium = Literal["host_memory", "device", "disk", "remote"]
+"""Where a tier keeps its bytes: this host's memory, an accelerator's memory, a local disk,
+or another machine reached over the network. What the engine reports a hit by, and whether a
+call may wait on I/O (``Tier.may_block``)."""
+
+MEDIA: tuple[Medium, ...] = ("host_memory", "device", "disk", "remote")
+BLOCKING_MEDIA: frozenset[Medium] = frozenset({"disk", "remote"})
+"""Media whose calls wait on I/O (a disk, the network)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,6 +96,10 @@ class Tier(ABC):
 
     name: str
     capacity_bytes: int
+    medium: ClassVar[Medium]
+    """Where this kind of tier keeps its bytes; every tier class sets it (``medium = "disk"``).
+    The cache never branches on it: it tells a lookup's caller where each hit is, and the
+    server whether a call may block (``may_block``)."""
     shared: bool = False
     """True when other servers may add or remove chunks (Redis): the cache asks the tier on
     a local miss instead of trusting its own index."""
@@ -164,6 +177,12 @@ class Tier(ABC):
 
     def stats(self) -> TierStats:
         return TierStats(self.name, self.capacity_bytes, self.used_bytes, self.num_chunks)
+
+    @property
+    def may_block(self) -> bool:
+        """Whether a call may wait on I/O (a disk, the network), so a server keeps it off
+        its event loop."""
+        return self.medium in BLOCKING_MEDIA
 
     def close(self) -> None:  # noqa: B027 - optional hook, most tiers have nothing to do
         """Release resources; the tier is not used afterwards."""

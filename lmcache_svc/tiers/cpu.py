@@ -41,6 +41,8 @@ class _SlotPacker:
 class CpuTier(SlotTier):
     """A ``SlotTier`` over an ``Arena``, which it owns: ``close`` closes the arena. Thread-safe."""
 
+    medium = "host_memory"
+
     def __init__(self, arena: Arena, *, name: str = "cpu") -> None:
         self.name = name
         self.capacity_bytes = arena.capacity_bytes

@@ -1,8 +1,8 @@
 """``SizeLedger``: the bytes a tier has counted per chunk, against its capacity.
 
-For tiers whose medium cannot be asked cheaply what it holds (Redis, shared with other
-servers): a put reserves its size before writing and gives it back if the write fails, a
-read that finds a chunk missing drops it, and a start-up scan records what is there.
+For tiers that must count what they hold against a capacity (Redis, SSD): a put reserves its
+size before writing and gives it back if the write fails, a read that finds a chunk missing
+drops it, and a start-up scan records what is there.
 Thread-safe; knows nothing of the medium.
 """
 

@@ -80,6 +80,7 @@ _SCAN_COUNT = 1000
 class RedisTier(Tier):
     """Chunks as single Redis keys (header + payload); see the module docstring."""
 
+    medium = "remote"
     shared = True
 
     def __init__(

@@ -10,9 +10,12 @@ served, because the header and payload checksum are verified on every read (a ba
 dropped). ``"always"`` fsyncs the tmp file before the rename and the shard directory after it,
 so a chunk whose ``put`` returned survives a crash.
 
-Capacity: ``used_bytes`` is the sum of chunk file sizes (header, payload, padding) plus bytes
-reserved by writes in flight; ``put`` reserves before writing, so it is never exceeded. A put
-over an existing key removes the old file first: the key misses until the new one is in place.
+Capacity: a ``SizeLedger`` (``ledger.py``) counts each chunk's file size (header, payload,
+padding), or the bytes reserved by its write in flight; ``put`` reserves before writing, so
+``used_bytes`` never exceeds the capacity. A put over an existing key removes the old file
+first: the key misses until the new one is in place. A put of a key whose write is in flight
+is refused (``False``): that write stores the same chunk, and one write per key keeps the
+ledger's one size per key exact.
 
 Concurrency: one lock guards the LRU index and the metadata operations that must agree with it
 (rename into place, unlink); reads, writes, checksums and fsyncs run outside it. At start-up the
@@ -51,6 +54,7 @@ from lmcache_svc.tiers._fileio import (
     write_head_and_body,
 )
 from lmcache_svc.tiers.base import Buffer, ItemResult, Tier
+from lmcache_svc.tiers.ledger import SizeLedger
 from lmcache_svc.tiers.ssd_format import BLOCK, HEADER, key_from_name, pack_header, parse_header
 
 logger = logging.getLogger(__name__)
@@ -69,6 +73,8 @@ class _Entry:
 
 class SsdTier(Tier):
     """Chunks as checksummed files under ``path``; see the module docstring."""
+
+    medium = "disk"
 
     def __init__(
         self,
@@ -95,7 +101,8 @@ class SsdTier(Tier):
         self._write_flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | direct
         self._lock = threading.Lock()
         self._index: OrderedDict[ChunkKey, _Entry] = OrderedDict()
-        self._used = 0
+        self._ledger = SizeLedger(capacity_bytes)  # file bytes of indexed and in-flight keys
+        self._writing: set[ChunkKey] = set()  # keys whose write is in flight (not indexed)
         self._direct_bounce = BounceBuffers() if o_direct else None
         self._io = IoThreads(IO_THREADS, name, logger)
         self._prepare_dirs()
@@ -106,8 +113,7 @@ class SsdTier(Tier):
 
     @property
     def used_bytes(self) -> int:
-        with self._lock:
-            return self._used
+        return self._ledger.used_bytes
 
     @property
     def num_chunks(self) -> int:
@@ -164,7 +170,7 @@ class SsdTier(Tier):
                 return 0
             unlink(self._path_of(key))
             del self._index[key]
-            self._used -= entry.file_bytes
+            self._ledger.drop(key)
         return entry.file_bytes
 
     def contains_many(self, keys: Sequence[ChunkKey]) -> list[bool]:
@@ -229,12 +235,12 @@ class SsdTier(Tier):
         found.sort(key=lambda item: (item[0], item[1]))
         for _mtime, key, entry in found:
             self._index[key] = entry
-            self._used += entry.file_bytes
-        while self._used > self.capacity_bytes:
+            self._ledger.record(key, entry.file_bytes)
+        while self._ledger.used_bytes > self.capacity_bytes:
             key, entry = self._index.popitem(last=False)
             logger.warning("ssd tier %s: over capacity, removing %s", self.path, key.hex())
             unlink(self._path_of(key))
-            self._used -= entry.file_bytes
+            self._ledger.drop(key)
 
     def _check_file(self, shard: str, name: str) -> tuple[int, ChunkKey, _Entry] | None:
         """(mtime, key, entry) of a valid chunk file; removes an invalid one."""
@@ -261,17 +267,23 @@ class SsdTier(Tier):
     # -- writes -----------------------------------------------------------------------------
 
     def _reserve(self, key: ChunkKey, length: int) -> _Entry | None:
-        """Claim the file bytes of a ``length``-byte put of ``key``, removing its old file."""
+        """Claim the file bytes of a ``length``-byte put of ``key``, removing its old file;
+        ``None`` when they do not fit or the key's write is already in flight."""
         entry = _Entry(length, self._file_bytes(length))
         with self._lock:
-            old = self._index.get(key)
-            old_bytes = 0 if old is None else old.file_bytes
-            if self._used - old_bytes + entry.file_bytes > self.capacity_bytes:
+            if key in self._writing:
+                return None
+            fits, old = self._ledger.reserve(key, entry.file_bytes)
+            if not fits:
                 return None
             if old is not None:
-                unlink(self._path_of(key))
+                try:
+                    unlink(self._path_of(key))
+                except BaseException:
+                    self._ledger.unreserve(key, entry.file_bytes, old)  # still on disk
+                    raise
                 del self._index[key]
-            self._used += entry.file_bytes - old_bytes
+            self._writing.add(key)
             return entry
 
     def _reserved_store(self, key: ChunkKey, payload: memoryview) -> Callable[[], bool] | None:
@@ -289,7 +301,8 @@ class SsdTier(Tier):
             path = self._commit(key, self._write_tmp(key, payload), entry)
         except BaseException:
             with self._lock:
-                self._used -= entry.file_bytes
+                self._writing.discard(key)
+                self._ledger.drop(key)  # its old file, if any, was removed by ``_reserve``
             raise
         if self._fsync:
             fsync_dir(os.path.dirname(path))
@@ -320,9 +333,7 @@ class SsdTier(Tier):
             except OSError as e:
                 remove_quietly(tmp)
                 raise TierError(f"{path}: {e.strerror}") from None
-            replaced = self._index.pop(key, None)
-            if replaced is not None:
-                self._used -= replaced.file_bytes
+            self._writing.discard(key)
             self._index[key] = entry
         return path
 
@@ -367,9 +378,8 @@ class SsdTier(Tier):
                 if seen is None or (now.st_dev, now.st_ino) != (seen.st_dev, seen.st_ino):
                     return  # a put replaced it meanwhile
                 unlink(path)
-            entry = self._index.pop(key, None)
-            if entry is not None:
-                self._used -= entry.file_bytes
+            if self._index.pop(key, None) is not None:
+                self._ledger.drop(key)  # a key being rewritten keeps its reservation
 
     # -- helpers ----------------------------------------------------------------------------
 

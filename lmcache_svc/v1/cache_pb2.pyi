@@ -7,6 +7,14 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class Medium(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    MEDIUM_UNSPECIFIED: _ClassVar[Medium]
+    MEDIUM_HOST_MEMORY: _ClassVar[Medium]
+    MEDIUM_DEVICE: _ClassVar[Medium]
+    MEDIUM_DISK: _ClassVar[Medium]
+    MEDIUM_REMOTE: _ClassVar[Medium]
+
 class StoreStatus(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     STORE_STATUS_UNSPECIFIED: _ClassVar[StoreStatus]
@@ -14,6 +22,11 @@ class StoreStatus(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     ALREADY_STORED: _ClassVar[StoreStatus]
     NO_SPACE: _ClassVar[StoreStatus]
     IN_PROGRESS: _ClassVar[StoreStatus]
+MEDIUM_UNSPECIFIED: Medium
+MEDIUM_HOST_MEMORY: Medium
+MEDIUM_DEVICE: Medium
+MEDIUM_DISK: Medium
+MEDIUM_REMOTE: Medium
 STORE_STATUS_UNSPECIFIED: StoreStatus
 RESERVED: StoreStatus
 ALREADY_STORED: StoreStatus
@@ -105,12 +118,14 @@ class LookupRequest(_message.Message):
     def __init__(self, namespace_id: _Optional[bytes] = ..., chunk_hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class LookupResponse(_message.Message):
-    __slots__ = ("num_hit_chunks", "tiers")
+    __slots__ = ("num_hit_chunks", "tiers", "media")
     NUM_HIT_CHUNKS_FIELD_NUMBER: _ClassVar[int]
     TIERS_FIELD_NUMBER: _ClassVar[int]
+    MEDIA_FIELD_NUMBER: _ClassVar[int]
     num_hit_chunks: int
     tiers: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, num_hit_chunks: _Optional[int] = ..., tiers: _Optional[_Iterable[str]] = ...) -> None: ...
+    media: _containers.RepeatedScalarFieldContainer[Medium]
+    def __init__(self, num_hit_chunks: _Optional[int] = ..., tiers: _Optional[_Iterable[str]] = ..., media: _Optional[_Iterable[_Union[Medium, str]]] = ...) -> None: ...
 
 class PrepareStoreRequest(_message.Message):
     __slots__ = ("namespace_id", "chunk_hashes", "session_id", "ttl_ms")

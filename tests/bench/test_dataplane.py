@@ -98,16 +98,18 @@ def test_quick_mode(tmp_path: Path) -> None:
         assert all(_finite_positive(v) for v in row[1 : 1 + len(SIZES_MIB)]), row
     assert all(report.data["checks"].values()) and len(report.data["checks"]) == 9
 
-    ours = side.rows[0]
-    assert ours[0] == "lmcache-svc" and all(_finite_positive(v) for v in ours[1:6])
+    ours, index = side.rows[0], side.rows[1]
+    assert ours[0].startswith("lmcache-svc") and all(_finite_positive(v) for v in ours[1:6])
     assert ours[6] is True  # bytes loaded equal bytes stored
+    assert "shm index" in index[0] and _finite_positive(index[3])
+    assert index[3] < ours[3]  # the index answers without the round trip
     if (peer.repo_root() / ".venv-lmcache" / "bin" / "lmcache").exists():
-        theirs = side.rows[1]
+        theirs = side.rows[2]
         assert theirs[0].startswith("LMCache") and all(_finite_positive(v) for v in theirs[1:6])
         assert theirs[6] is True  # LMCache's own checksums matched
         assert len(report.targets) == 5
     else:
-        assert side.rows[1][1] == "unavailable" and side.rows[1][-1]
+        assert side.rows[2][1] == "unavailable" and side.rows[2][-1]
 
     data = json.loads((tmp_path / "dataplane.json").read_text())
     assert data["name"] == "dataplane" and data["mode"] == "quick"

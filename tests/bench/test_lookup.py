@@ -10,6 +10,7 @@ import pytest
 
 from lmcache_svc.bench.lookup import (
     HANDLER_ROW,
+    INDEX_ROW,
     SERVER_ROW,
     SHAPES,
     expected_hits,
@@ -49,18 +50,23 @@ def test_quick_mode(tmp_path: Path) -> None:
     data = json.loads((tmp_path / "lookup.json").read_text())
     assert (tmp_path / "lookup.md").read_text().startswith("## bench lookup (quick)")
     assert set(data["data"]["sizes"]) == {"2000", "20000"}
-    (table,) = report.tables
+    table, by_chunk = report.tables
+    # One 32k-token prompt as 256-, 128- and 16-token chunks: more chunks, more to look up.
+    assert [row[:2] for row in by_chunk.rows] == [[256, 128], [128, 256], [16, 2048]]
+    assert all(math.isfinite(v) and v > 0 for row in by_chunk.rows for v in row[2:])
+    assert by_chunk.rows[2][2] > by_chunk.rows[0][2]  # server-side: 2,048 keys vs 128
     paths = {row[1] for row in table.rows}
     assert {
         "server-side (cache.lookup)",
         "unix socket round trip",
         "tcp gRPC round trip",
         "REST round trip",
+        INDEX_ROW,
         "baseline: dict lookup of 128 keys",
         "baseline: gRPC health check (unix socket)",
     } <= paths
-    # 2 sizes x (4 paths and the server's handler mean x 3 shapes + 3 baselines)
-    assert len(table.rows) == 2 * (5 * len(SHAPES) + 3)
+    # 2 sizes x (5 paths and the server's handler mean x 3 shapes + 3 baselines)
+    assert len(table.rows) == 2 * (6 * len(SHAPES) + 3)
     for row in table.rows:
         p50, p99 = row[3], row[4]
         assert row[6] > 0
@@ -74,3 +80,12 @@ def test_quick_mode(tmp_path: Path) -> None:
         "lookup p99 server-side",
         "lookup p99 round trip over the Unix socket",
     ]
+    # each target is the worst p99 over the prompt shapes at the largest index, from the table
+    largest = [row for row in table.rows if row[0] == "20,000"]
+    server_side, round_trip = report.targets
+    assert server_side.value == max(row[4] for row in largest if row[1] == SERVER_ROW)
+    socket_p99 = max(row[4] for row in largest if row[1] == "unix socket round trip")
+    assert round_trip.value == socket_p99
+    assert (server_side.goal, round_trip.goal) == (1.0, 2.0)
+    assert server_side.why_missed.startswith("its on-CPU p99 is ")
+    assert round_trip.why_missed.startswith("a bare gRPC health check on the same channel")

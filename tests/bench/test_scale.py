@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from lmcache_svc.bench.runner import run_benchmark
-from lmcache_svc.bench.scale import private_bytes
+from lmcache_svc.bench.scale import TARGET_BYTES_PER_CHUNK, private_bytes
 
 
 def test_private_bytes_grows_with_private_memory() -> None:
@@ -53,4 +53,12 @@ def test_quick_mode(tmp_path: Path) -> None:
     assert {Path(p).name for p in report.plots} <= {"scale_lookup.png", "scale_load.png"}
     for plot in report.plots:
         assert Path(plot).stat().st_size > 0
-    assert report.targets[0].name.startswith("server memory per indexed chunk")
+    (target,) = report.targets
+    assert target.name == "server memory per indexed chunk at 30,000 chunks"
+    # the growth since the first step over the chunks added since, as the data records it
+    first, last = data["index_steps"][0], data["index_steps"][-1]
+    growth = (last["private_bytes"] - first["private_bytes"]) / (last["chunks"] - first["chunks"])
+    assert target.value == growth == last["bytes_per_chunk"]
+    assert target.goal == TARGET_BYTES_PER_CHUNK and target.lower_is_better
+    marginal = f"{last['marginal_bytes_per_chunk']:.0f} B per chunk since the previous step"
+    assert target.why_missed.startswith(marginal)

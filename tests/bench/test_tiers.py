@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import shutil
 from pathlib import Path
 
 import pytest
 
 from lmcache_svc.bench.runner import run_benchmark
+from lmcache_svc.bench.stats import median
+from lmcache_svc.bench.tiers import MIB, REDIS_GOALS, SSD_GOAL
 from lmcache_svc.bench.tiers_ssd import SsdParams, check_params, measure_ssd, scratch_dir
 
 NEEDS_REDIS = pytest.mark.skipif(
@@ -57,9 +60,28 @@ def test_quick_mode_end_to_end(tmp_path: Path) -> None:
         "SSD read, one chunk at a time / dd",
     ]
     assert len(names) == 2 + 3 * 2
-    for target in report.targets:
-        assert _positive(target.value)
-        assert target.met or target.why_missed, target
+    ssd_rates = {key: median(rates) for key, rates in report.data["ssd"]["rates_gbps"].items()}
+    for target, op in zip(report.targets[:2], ("write", "read")):
+        # the ratio is this run's tier rate over this run's dd rate, and a miss says both
+        assert target.value == ssd_rates[f"tier single {op}"] / ssd_rates[f"dd {op}"], target
+        assert target.goal == SSD_GOAL and _positive(target.value)
+        spread = r"[\d.]+-[\d.]+ GB/s"
+        assert re.match(rf"tier {spread} against dd {spread} over 2 rounds", target.why_missed)
+    for target in report.targets[2:]:
+        case, baseline = target.name.removeprefix("Redis ").split(": tier / ")
+        op = case.removesuffix(" 1 MiB")
+
+        def gbps(path: str, op: str = op) -> float:
+            return median([phase["gbps"] for phase in report.data["redis"][f"{path} {op} {MIB}"]])
+
+        assert target.value == gbps("RedisTier") / gbps(baseline), target
+        assert target.goal == REDIS_GOALS[baseline] and _positive(target.value)
+        why = target.why_missed  # a miss names both paths' rates, or why the goal is out of reach
+        if baseline == "naive redis-py" and gbps("redis-benchmark") < 2 * gbps(baseline):
+            assert why.startswith("out of reach here: redis-benchmark itself"), target
+        else:
+            assert f"RedisTier {gbps('RedisTier'):.2f} GB/s" in why, target
+            assert f"{baseline} {gbps(baseline):.2f} GB/s" in why, target
 
     saved = json.loads((out / "tiers.json").read_text())
     assert saved["mode"] == "quick" and len(saved["targets"]) == len(names)

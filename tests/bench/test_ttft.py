@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 
 from lmcache_svc.bench.runner import BenchContext, run_benchmark
-from lmcache_svc.bench.ttft import make_workload, params
+from lmcache_svc.bench.ttft import EXPLICIT_CHUNKS, make_workload, params
 from lmcache_svc.bench.vllm.engines import VLLM_PYTHON
-from lmcache_svc.bench.vllm_ttft import Sample
+from lmcache_svc.bench.vllm_ttft import PLUGIN_DEFAULT_CHUNK, Sample, Setup, plugin_config
 from lmcache_svc.bench.vllm_ttft_report import memos_speedup, output_mismatches
 
 
@@ -31,6 +31,22 @@ def test_params_reject_bad_input(tmp_path: Path) -> None:
         params(_ctx(tmp_path, contexts="583,lots"))
     with pytest.raises(ValueError, match="shape"):
         params(_ctx(tmp_path, model="huge"))
+    with pytest.raises(ValueError, match="chunk_size must be an integer"):
+        params(_ctx(tmp_path, chunk_size="big"))
+    with pytest.raises(ValueError, match="chunk_size must be positive"):
+        params(_ctx(tmp_path, chunk_size="0"))
+
+
+def test_b_runs_the_plugin_defaults(tmp_path: Path) -> None:
+    """(b) is what a user gets: no chunk settings unless --set chunk_size asks for one."""
+    p = params(_ctx(tmp_path))
+    assert p.chunk_size is None and "b" in p.strategies
+    assert params(_ctx(tmp_path, chunk_size="256")).chunk_size == 256
+    setup = Setup(tmp_path, tmp_path, "/x.sock", None, print)
+    assert "chunk_size" not in plugin_config(setup, None)["kv_connector_extra_config"]
+    assert plugin_config(setup, 256)["kv_connector_extra_config"]["chunk_size"] == 256
+    assert PLUGIN_DEFAULT_CHUNK == 128  # vLLM's CPU block size, the benchmarks' engines'
+    assert EXPLICIT_CHUNKS == {"b256": 256}
 
 
 def test_missing_vllm_venv_is_named(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -88,8 +104,10 @@ def test_quick_mode_end_to_end(tmp_path: Path) -> None:
     for row in served.rows:
         a, b, c, d = row[2:6]
         assert a == 0  # prefix caching off: nothing served
-        assert b == 2560  # 10 whole 256-token chunks of the 2773-token context
-        assert c == d == 2688  # 21 whole 128-token blocks
+        # The plugin's default chunk is vLLM's 128-token CPU block: as many tokens as (c), (d).
+        assert b == c == d == 2688  # 21 whole 128-token blocks of the 2773-token context
+    vs_c = next(t for t in report.targets if t.name.startswith("(b) TTFT / (c) TTFT"))
+    assert vs_c.goal == 1.1 and math.isfinite(vs_c.value)
     first_token = next(t for t in report.targets if "first token" in t.name)
     assert first_token.value == 0, "a cache hit changed the first generated token"
     data = json.loads((tmp_path / "ttft.json").read_text())

@@ -21,7 +21,7 @@ import subprocess
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 from typing import Any
 
 import yaml
@@ -210,10 +210,6 @@ class ServerInvocation:
     env: dict[str, str]
     files: dict[str, Path] = field(default_factory=dict)
 
-    def config_path(self) -> str | None:
-        args = parse_serve_args(self.argv, self.where)
-        return args.config or self.env.get("LMCACHE_SVC_CONFIG")
-
 
 def parse_serve_args(argv: list[str], where: str) -> Any:
     """``argv`` through the real ``lmcache-svc`` parser; a bad flag fails naming ``where``."""
@@ -243,10 +239,6 @@ def server_config(inv: ServerInvocation) -> Config:
         return load_config(host_file, env=inv.env, overrides=cli._overrides(args))
     except Exception as e:
         raise AssertionError(f"{inv.where}: the server would not start: {e}") from None
-
-
-def is_under(path: str | os.PathLike[str], directory: str) -> bool:
-    return PurePosixPath(directory) in (PurePosixPath(path), *PurePosixPath(path).parents)
 
 
 # -- the engine's invocation -----------------------------------------------------------------------

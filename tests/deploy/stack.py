@@ -201,7 +201,9 @@ def start_vllm(workdir: Path, model_dir: Path, socket_path: str) -> Proc:
         "kv_connector": "LMCacheSvcConnector",
         "kv_connector_module_path": "lmcache_svc_vllm",
         "kv_role": "kv_both",
-        "kv_connector_extra_config": {"url": socket_path},
+        # 256-token chunks pinned: 512 KiB of the tiny model, the size of test_dashboard's own
+        # chunks (one size class in the arena); the plugin's default would be 128 tokens.
+        "kv_connector_extra_config": {"url": socket_path, "chunk_size": 256},
     }
     cmd = [
         str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),

@@ -22,6 +22,7 @@ import shutil
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +36,7 @@ from lmcache_svc.keys import KVLayout, Namespace, chunk_hashes
 from tests.deploy import dashboard as dash
 from tests.deploy import stack
 from tests.deploy.manifests import REPO
+from tests.helpers import make_chunk
 
 METRICS_DOC = REPO / "docs" / "metrics.md"
 DEPLOY_DOC = REPO / "docs" / "deploy.md"
@@ -133,12 +135,9 @@ LAYOUT = KVLayout(
     "uint8", num_layers=1, num_kv_heads=1, head_size=1024, block_size=16, page_layout="test"
 )
 NS = Namespace(model="dashboard", layout=LAYOUT, chunk_size=256)
+CHUNK = NS.chunk_bytes
 NUM_CHUNKS = 24  # 12 MiB: through a 4 MiB arena and a 2 MiB SSD tier into Redis
 VLLM_PROMPT = list(range(5, 5 + 600))  # two full 256-token chunks for the plugin
-
-
-def make_chunk(i: int) -> bytes:
-    return bytes([(i * 13 + j) % 251 for j in range(256)]) * (NS.chunk_bytes // 256)
 
 
 @dataclass
@@ -221,11 +220,11 @@ def scraped_twice(prometheus: stack.Proc, job: str) -> None:
 def warm_up(client: CacheClient, ns_id: bytes, hashes: Sequence[bytes]) -> None:
     """One call of each kind, so every series exists before the traffic Prometheus must see
     increase (a series' first sample already holds what happened before it)."""
-    client.store(ns_id, hashes[:1], [make_chunk(0)])
+    client.store(ns_id, hashes[:1], [make_chunk(0, CHUNK)])
     client.lookup(ns_id, hashes[:2])
     client.release_load(client.prepare_load(ns_id, hashes[:1]))
     client.get(ns_id, hashes[:1])
-    client.put(ns_id, [(hashes[1], make_chunk(1))])
+    client.put(ns_id, [(hashes[1], make_chunk(1, CHUNK))])
 
 
 def wait_for_metric(server: ServerProc, sample: str, timeout_s: float = 10.0) -> None:
@@ -242,21 +241,21 @@ def drive_server(server: ServerProc, redis: RedisProc) -> None:
     with CacheClient(server.socket, timeout_s=10) as client:
         ns_id = client.register_namespace(NS)
         for i, h in enumerate(hashes[2:], start=2):  # evictions, demotions, write-through
-            assert client.store(ns_id, [h], [make_chunk(i)]) == 1
+            assert client.store(ns_id, [h], [make_chunk(i, CHUNK)]) == 1
         unknown = chunk_hashes(NS, [7] * (4 * NS.chunk_size))
         for _ in range(3):  # hits in every tier, and misses
             found = client.lookup(ns_id, hashes)
             assert {"cpu", "ssd", "redis"} <= set(found.tiers), found.tiers
             assert client.lookup(ns_id, unknown).num_hit_chunks == 0
         for i in range(2, 6):  # promotions from the lower tiers, and inline reads
-            assert client.load(ns_id, [hashes[i]]) == [make_chunk(i)]
-            assert client.get(ns_id, [hashes[-i]]) == [make_chunk(NUM_CHUNKS - i)]
+            assert client.load(ns_id, [hashes[i]]) == [make_chunk(i, CHUNK)]
+            assert client.get(ns_id, [hashes[-i]]) == [make_chunk(NUM_CHUNKS - i, CHUNK)]
         # Redis stops answering writes for longer than the tier's timeout: the write-through
         # of the next chunks fails (tier_unavailable), and the server goes on without it.
         assert send_command(redis.port, "CLIENT", "PAUSE", "10000", "WRITE").startswith(b"+OK")
         try:
             extra = chunk_hashes(NS, [11] * (3 * NS.chunk_size))
-            assert client.store(ns_id, extra, [make_chunk(200 + i) for i in range(3)]) == 3
+            assert client.store(ns_id, extra, [make_chunk(200 + i, CHUNK) for i in range(3)]) == 3
             wait_for_metric(server, 'lmcache_svc_errors_total{kind="tier_unavailable"}')
         finally:  # the session's Redis serves other tests next
             assert send_command(redis.port, "CLIENT", "UNPAUSE").startswith(b"+OK")
@@ -384,9 +383,22 @@ def test_template_variables_find_their_values(board: dict[str, Any], driven: Sta
 
 
 def test_alert_rules_evaluate(driven: Stack) -> None:
-    time.sleep(2)  # at least one evaluation after the traffic
-    groups = stack.api(driven.prometheus, "/api/v1/rules")["data"]["groups"]
-    rules = [r for g in groups for r in g["rules"]]
+    # a scrape after the traffic, then an evaluation of every rule after that scrape
+    wait_for(driven.prometheus, f'timestamp(up{{job="lmcache-svc"}}) > {time.time()}', 30)
+    rules = rules_evaluated_after(driven.prometheus, time.time())
     assert len(rules) == 5
     assert all(r["health"] == "ok" for r in rules), [(r["name"], r.get("lastError")) for r in rules]
     assert {r["name"]: r["state"] for r in rules}["LMCacheSvcDown"] == "inactive"
+
+
+def rules_evaluated_after(prometheus: stack.Proc, since: float) -> list[dict[str, Any]]:
+    """The alert rules, once Prometheus has evaluated every one after ``since`` (Unix time)."""
+    deadline = time.monotonic() + 30
+    while True:
+        groups = stack.api(prometheus, "/api/v1/rules")["data"]["groups"]
+        rules: list[dict[str, Any]] = [r for g in groups for r in g["rules"]]
+        evaluated = [datetime.fromisoformat(r["lastEvaluation"]).timestamp() for r in rules]
+        if rules and min(evaluated) > since:
+            return rules
+        assert time.monotonic() < deadline, f"not every rule was evaluated after {since}: {rules}"
+        time.sleep(0.25)

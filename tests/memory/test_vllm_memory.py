@@ -18,7 +18,7 @@ from tests.vllm.conftest import require_vllm_venv
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(900)]
 
-CHUNK = 256
+CHUNK = 128  # the plugin's default chunk on the CPU backend: vLLM's 128-token block
 EXT_HITS = "vllm:external_prefix_cache_hits"
 NUM_WORDS = VOCAB_SIZE - len(SPECIALS)
 # Every compared engine computes on one thread (an engine with a connector reserves one more

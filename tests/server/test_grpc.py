@@ -19,26 +19,17 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from lmcache_svc import errors
 from lmcache_svc.bench.procs import ServerProc, start_server
-from lmcache_svc.client import AsyncCacheClient, CacheClient
-from lmcache_svc.keys import KVLayout, Namespace, chunk_hashes
+from lmcache_svc.client import CacheClient
+from lmcache_svc.keys import chunk_hashes
 from lmcache_svc.v1 import cache_pb2 as pb
 from lmcache_svc.v1 import cache_pb2_grpc as pb_grpc
+from tests.helpers import make_chunk, make_namespace
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def make_namespace(tenant: str = "default", model: str = "m") -> Namespace:
-    layout = KVLayout(
-        "uint8", num_layers=1, num_kv_heads=1, head_size=128, block_size=16, page_layout="test"
-    )
-    return Namespace(model=model, layout=layout, chunk_size=256, tenant=tenant)  # 64 KiB chunks
-
-
-NS = make_namespace()
-
-
-def make_chunk(i: int) -> bytes:
-    return bytes([(i * 7 + j) % 251 for j in range(256)]) * (NS.chunk_bytes // 256)
+NS = make_namespace(chunk_size=256)
+CHUNK = NS.chunk_bytes  # 64 KiB
 
 
 @pytest.fixture
@@ -63,7 +54,7 @@ def run_py(code: str, timeout_s: float = 60) -> str:
 def test_store_in_one_process_load_in_another(server: ServerProc) -> None:
     store = f"""
         from lmcache_svc.client import CacheClient
-        from tests.server.test_grpc import NS, make_chunk
+        from tests.server.test_grpc import CHUNK, NS, make_chunk
         from lmcache_svc.keys import chunk_hashes
         with CacheClient({server.socket!r}) as c:
             assert c.shm_available
@@ -71,45 +62,45 @@ def test_store_in_one_process_load_in_another(server: ServerProc) -> None:
             hashes = chunk_hashes(NS, list(range(1000)))
             slots = c.prepare_store(ns_id, hashes)
             for i, s in enumerate(slots):
-                s.buffer[:] = make_chunk(i)
+                s.buffer[:] = make_chunk(i, CHUNK)
             print(c.commit_store(ns_id, hashes))
     """
     assert run_py(store).strip() == "3"
     load = f"""
         from lmcache_svc.client import CacheClient
-        from tests.server.test_grpc import NS, make_chunk
+        from tests.server.test_grpc import CHUNK, NS, make_chunk
         from lmcache_svc.keys import chunk_hashes
         with CacheClient({server.grpc!r}) as c:
             ns_id = c.register_namespace(NS)
             hashes = chunk_hashes(NS, list(range(1000)))
             lease = c.prepare_load(ns_id, hashes)
-            print(all(bytes(b) == make_chunk(i) for i, b in enumerate(lease.buffers)),
+            print(all(bytes(b) == make_chunk(i, CHUNK) for i, b in enumerate(lease.buffers)),
                   len(lease.buffers), c.release_load(lease))
     """
     assert run_py(load).split() == ["True", "3", "True"]
 
 
-def test_inline_put_get_delete_and_async_client(server: ServerProc) -> None:
+def test_inline_put_get_delete_and_a_second_client(server: ServerProc) -> None:
     hashes = chunk_hashes(NS, list(range(512)))
     with CacheClient(server.grpc, use_shm=False) as c:
         ns_id = c.register_namespace(NS)
         assert not c.shm_available
-        assert c.store(ns_id, hashes, [make_chunk(0), make_chunk(1)]) == 2
-        assert c.load(ns_id, hashes) == [make_chunk(0), make_chunk(1)]
-        assert c.get(ns_id, [hashes[1], b"\0" * 32]) == [make_chunk(1), None]
+        assert c.store(ns_id, hashes, [make_chunk(0, CHUNK), make_chunk(1, CHUNK)]) == 2
+        assert c.load(ns_id, hashes) == [make_chunk(0, CHUNK), make_chunk(1, CHUNK)]
+        assert c.get(ns_id, [hashes[1], b"\0" * 32]) == [make_chunk(1, CHUNK), None]
 
-    async def use_async() -> tuple[object, ...]:
-        async with AsyncCacheClient(server.socket) as a:
-            await a.register_namespace(NS)
-            got = await a.get(ns_id, hashes)
-            found = await a.lookup(ns_id, hashes)
-            deleted = await a.delete(ns_id, hashes)
-            return got, found.num_hit_chunks, deleted, (await a.stats())["tiers"][0]["num_chunks"]
-
-    import asyncio
-
-    got, hits, deleted, left = asyncio.run(use_async())
-    assert got == [make_chunk(0), make_chunk(1)] and hits == 2 and deleted == 2 and left == 0
+    with CacheClient(server.socket) as a:
+        a.register_namespace(NS)
+        got = a.get(ns_id, hashes)
+        hits = a.lookup(ns_id, hashes).num_hit_chunks
+        deleted = a.delete(ns_id, hashes)
+        left = a.stats()["tiers"][0]["num_chunks"]
+    assert (
+        got == [make_chunk(0, CHUNK), make_chunk(1, CHUNK)]
+        and hits == 2
+        and deleted == 2
+        and left == 0
+    )
 
 
 def test_a_client_killed_mid_store_gives_its_slots_back(server: ServerProc) -> None:
@@ -207,7 +198,7 @@ def test_client_recovers_after_a_server_restart(tmp_path: Path) -> None:
     try:
         ns_id = client.register_namespace(NS)
         hashes = chunk_hashes(NS, list(range(256)))
-        assert client.store(ns_id, hashes, [make_chunk(0)]) == 1
+        assert client.store(ns_id, hashes, [make_chunk(0, CHUNK)]) == 1
         first.kill()
         with pytest.raises(errors.ServerUnavailable):
             client.lookup(ns_id, hashes)
@@ -216,8 +207,8 @@ def test_client_recovers_after_a_server_restart(tmp_path: Path) -> None:
             client.wait_ready(10)
             # the new server knows neither the namespace nor the session: both are redone
             assert client.lookup(ns_id, hashes).num_hit_chunks == 0
-            assert client.store(ns_id, hashes, [make_chunk(5)]) == 1
-            assert client.load(ns_id, hashes) == [make_chunk(5)]
+            assert client.store(ns_id, hashes, [make_chunk(5, CHUNK)]) == 1
+            assert client.load(ns_id, hashes) == [make_chunk(5, CHUNK)]
         finally:
             second.cleanup()
     finally:
@@ -230,7 +221,9 @@ def test_sigterm_removes_segment_and_socket(tmp_path: Path) -> None:
     try:
         assert Path("/dev/shm", server.shm).exists() and Path(server.socket).exists()
         with CacheClient(server.socket) as c:
-            c.store(c.register_namespace(NS), chunk_hashes(NS, list(range(256))), [make_chunk(1)])
+            c.store(
+                c.register_namespace(NS), chunk_hashes(NS, list(range(256))), [make_chunk(1, CHUNK)]
+            )
         assert server.stop() == 0
         assert not Path("/dev/shm", server.shm).exists()
         assert not Path(server.socket).exists()
@@ -247,7 +240,7 @@ def test_health_service_and_metrics_move(server: ServerProc) -> None:
     with CacheClient(server.socket) as c:
         ns_id = c.register_namespace(NS)
         hashes = chunk_hashes(NS, list(range(768)))
-        c.store(ns_id, hashes[:2], [make_chunk(0), make_chunk(1)])
+        c.store(ns_id, hashes[:2], [make_chunk(0, CHUNK), make_chunk(1, CHUNK)])
         c.lookup(ns_id, hashes)
         c.load(ns_id, hashes)
     text = httpx.get(f"{server.http_url}/metrics", timeout=5).text
@@ -290,10 +283,10 @@ def test_concurrent_clients_with_a_small_arena(tmp_path: Path) -> None:
                 for round_ in range(30):
                     tokens = [seed * 1000 + round_ % 7] * 256 * 3
                     hashes = chunk_hashes(NS, tokens)
-                    c.store(ns_id, hashes, [make_chunk(seed + i) for i in range(3)])
+                    c.store(ns_id, hashes, [make_chunk(seed + i, CHUNK) for i in range(3)])
                     got = c.load(ns_id, hashes)
                     for i, data in enumerate(got):
-                        assert data == make_chunk(seed + i)
+                        assert data == make_chunk(seed + i, CHUNK)
         except BaseException as e:
             failures.append(e)
 
@@ -319,70 +312,33 @@ def test_concurrent_clients_with_a_small_arena(tmp_path: Path) -> None:
     assert peaks and max(peaks) <= capacity
 
 
+def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    """``lmcache-svc *args`` in a fresh interpreter, its output captured."""
+    return subprocess.run(
+        [sys.executable, "-m", "lmcache_svc", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+    )
+
+
 def test_bad_config_exits_with_a_clear_message(tmp_path: Path) -> None:
     bad = tmp_path / "bad.yaml"
     bad.write_text("cpu:\n  capacity: lots\ncache:\n  low_watermark: 0.99\n")
-    out = subprocess.run(
-        [sys.executable, "-m", "lmcache_svc", "serve", "--config", str(bad)],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        cwd=ROOT,
-    )
+    out = run_cli("serve", "--config", str(bad))
     assert out.returncode == 2
     assert "cpu.capacity" in out.stderr and "low_watermark" in out.stderr
-    exposed = subprocess.run(
-        [sys.executable, "-m", "lmcache_svc", "serve", "--host", "0.0.0.0"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        cwd=ROOT,
-    )
+    exposed = run_cli("serve", "--host", "0.0.0.0")
     assert exposed.returncode == 2 and "auth_token" in exposed.stderr
 
 
 def test_stats_command(server: ServerProc) -> None:
-    out = subprocess.run(
-        [sys.executable, "-m", "lmcache_svc", "stats", "--url", server.socket],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        cwd=ROOT,
-    )
+    out = run_cli("stats", "--url", server.socket)
     assert out.returncode == 0, out.stderr
     assert "cpu" in out.stdout and "256.0 MiB" in out.stdout
-    down = subprocess.run(
-        [sys.executable, "-m", "lmcache_svc", "stats", "--url", "/tmp/nope.sock", "--timeout", "1"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        cwd=ROOT,
-    )
+    down = run_cli("stats", "--url", "/tmp/nope.sock", "--timeout", "1")
     assert down.returncode == 1 and "unavailable" in down.stderr
-
-
-def test_async_client_uses_the_shared_segment(server: ServerProc) -> None:
-    import asyncio
-
-    hashes = chunk_hashes(NS, list(range(768)))
-    chunks = [make_chunk(i) for i in range(3)]
-
-    async def use_async() -> tuple[bool, int, list[bytes], int]:
-        async with AsyncCacheClient(server.socket) as a:
-            ns_id = await a.register_namespace(NS)
-            shm = await a.shm_available()
-            stored = await a.store(ns_id, hashes, chunks)
-            loaded = await a.load(ns_id, hashes)
-            lease = await a.prepare_load(ns_id, hashes[:2])
-            pinned = (await a.stats())["active_leases"]
-            await a.release_load(lease)
-            return shm, stored, loaded, pinned
-
-    shm, stored, loaded, pinned = asyncio.run(use_async())
-    assert shm and stored == 3 and loaded == chunks and pinned == 1
-    with CacheClient(server.grpc, use_shm=False) as c:
-        assert c.get(c.register_namespace(NS), hashes) == chunks
-        assert c.stats()["active_leases"] == 0
 
 
 def test_a_fixed_segment_name_survives_a_hard_kill(tmp_path: Path) -> None:
@@ -401,7 +357,9 @@ def test_a_fixed_segment_name_survives_a_hard_kill(tmp_path: Path) -> None:
         with CacheClient(sock) as c:
             assert c.shm_available
             assert (
-                c.store(c.register_namespace(NS), chunk_hashes(NS, range(256)), [make_chunk(0)])
+                c.store(
+                    c.register_namespace(NS), chunk_hashes(NS, range(256)), [make_chunk(0, CHUNK)]
+                )
                 == 1
             )
         with pytest.raises(RuntimeError, match="already listening"):

@@ -10,18 +10,13 @@ import shutil
 import socket
 import subprocess
 import threading
-import time
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import grpc
 import httpx
 import pytest
 
-from lmcache_svc.arena import Arena
-from lmcache_svc.cache import TieredCache
 from lmcache_svc.errors import (
     ConfigError,
     Corrupted,
@@ -35,93 +30,20 @@ from lmcache_svc.errors import (
     Unauthenticated,
     UnknownNamespace,
 )
-from lmcache_svc.keys import KVLayout, Namespace, chunk_hashes
-from lmcache_svc.policy import CacheSettings
+from lmcache_svc.keys import chunk_hashes
 from lmcache_svc.server.auth import check_bearer
-from lmcache_svc.server.http import create_app, make_uvicorn_server
+from lmcache_svc.server.http import create_app
 from lmcache_svc.server.status import grpc_code, http_status
-from lmcache_svc.tiers.cpu import CpuTier
+from tests.helpers import CHUNK_BYTES, make_chunk, make_layout, make_namespace
+from tests.server.rest import MAX_BODY_BYTES, MAX_CHUNKS, Served, make_cache
 
-CHUNK_SIZE = 16
-CHUNK_BYTES = 4096  # 16 tokens x (2 planes x 1 head x 64 x 2 bytes)
-MAX_BODY_BYTES = 64 * 1024
-MAX_CHUNKS = 8
+CHUNK_SIZE = 16  # tokens per chunk of make_namespace()
 TOKEN = "s3cret-token"
 
 
-def make_namespace(model: str = "test-model", head_size: int = 64) -> Namespace:
-    layout = KVLayout(
-        dtype="float16",
-        num_layers=1,
-        num_kv_heads=1,
-        head_size=head_size,
-        block_size=16,
-        page_layout="test/NHC",
-    )
-    return Namespace(model=model, layout=layout, chunk_size=CHUNK_SIZE)
-
-
-def make_chunk(seed: int, nbytes: int = CHUNK_BYTES) -> bytes:
-    return bytes((seed * 31 + i) % 251 for i in range(nbytes))
-
-
-def make_cache(capacity_bytes: int = 1 << 20) -> TieredCache:
-    arena = Arena.create(capacity_bytes, slab_bytes=16 * 1024, prefault="off")
-    return TieredCache(CpuTier(arena), settings=CacheSettings(max_chunks_per_request=MAX_CHUNKS))
-
-
-@dataclass
-class Served:
-    cache: TieredCache
-    url: str
-    client: httpx.Client
-
-    def register(self, ns: Namespace) -> str:
-        r = self.client.post("/v1/namespaces", json=ns.to_dict())
-        assert r.status_code == 200, r.text
-        return str(r.json()["namespace_id"])
-
-    def chunk_url(self, ns_hex: str, chunk_hash: bytes | str) -> str:
-        h = chunk_hash if isinstance(chunk_hash, str) else chunk_hash.hex()
-        return f"/v1/chunks/{ns_hex}/{h}"
-
-
 @pytest.fixture
-def serve() -> Iterator[Callable[..., Served]]:
-    stops: list[Callable[[], None]] = []
-
-    def start(cache: TieredCache | None = None, **kwargs: Any) -> Served:
-        cache = cache or make_cache()
-        kwargs.setdefault("max_body_bytes", MAX_BODY_BYTES)
-        limits = kwargs.pop("limits", None)
-        server = make_uvicorn_server(create_app(cache, **kwargs), "127.0.0.1", 0, limits)
-        thread = threading.Thread(target=server.run, daemon=True)
-        thread.start()
-        deadline = time.monotonic() + 10
-        while not server.started:
-            assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
-            time.sleep(0.005)
-        port = server.servers[0].sockets[0].getsockname()[1]
-        url = f"http://127.0.0.1:{port}"
-        client = httpx.Client(base_url=url, timeout=10)
-
-        def stop() -> None:
-            client.close()
-            server.should_exit = True
-            thread.join(timeout=10)
-            cache.close()
-
-        stops.append(stop)
-        return Served(cache, url, client)
-
-    yield start
-    for stop in reversed(stops):
-        stop()
-
-
-@pytest.fixture
-def served(serve: Callable[..., Served]) -> Served:
-    return serve()
+def served(serve_http: Callable[..., Served]) -> Served:
+    return serve_http()
 
 
 def assert_error(r: httpx.Response, status: int, kind: str, *fragments: str) -> None:
@@ -328,7 +250,7 @@ def test_too_many_hashes_and_tokens(served: Served) -> None:
 
 
 def test_body_over_limit_with_honest_content_length(served: Served) -> None:
-    big = make_namespace(model="big", head_size=64 * 32)  # chunks of 128 KiB > the 64 KiB limit
+    big = make_namespace(model="big", layout=make_layout(head_size=32 * 128))  # 128 KiB chunks
     big_hex = served.register(big)
     url = served.chunk_url(big_hex, "ee" * 32)
     r = served.client.put(url, content=b"x" * big.chunk_bytes)
@@ -411,8 +333,8 @@ def test_lying_content_length_cannot_push_more_than_declared(served: Served) -> 
     assert served.client.get("/healthz").status_code == 200
 
 
-def test_no_space_when_arena_full_of_pinned_chunks(serve: Callable[..., Served]) -> None:
-    served = serve(make_cache(capacity_bytes=4 * CHUNK_BYTES))  # room for exactly 4 chunks
+def test_no_space_when_arena_full_of_pinned_chunks(serve_http: Callable[..., Served]) -> None:
+    served = serve_http(make_cache(capacity_bytes=4 * CHUNK_BYTES))  # room for exactly 4 chunks
     ns = make_namespace()
     ns_hex = served.register(ns)
     hashes = chunk_hashes(ns, list(range(5 * CHUNK_SIZE)))
@@ -455,8 +377,8 @@ def test_unexpected_exception_is_a_generic_500(
 # -- auth, health, metrics, docs ----------------------------------------------------------------
 
 
-def test_auth(serve: Callable[..., Served]) -> None:
-    served = serve(auth_token=TOKEN)
+def test_auth(serve_http: Callable[..., Served]) -> None:
+    served = serve_http(auth_token=TOKEN)
     c = served.client
     good = {"Authorization": f"Bearer {TOKEN}"}
     for path in ("/healthz", "/readyz"):
@@ -487,9 +409,9 @@ def test_auth_off_needs_no_header(served: Served) -> None:
     assert served.client.get("/metrics").status_code == 200
 
 
-def test_healthz_and_readyz(serve: Callable[..., Served]) -> None:
+def test_healthz_and_readyz(serve_http: Callable[..., Served]) -> None:
     ready = threading.Event()
-    served = serve(ready=ready.is_set)
+    served = serve_http(ready=ready.is_set)
     assert served.client.get("/healthz").json() == {"status": "ok"}
     assert_error(served.client.get("/readyz"), 503, "not_ready")
     ready.set()

@@ -15,16 +15,9 @@ import pytest
 from lmcache_svc.server.http import DEFAULT_MAX_JSON_BYTES
 from lmcache_svc.server.http_models import KeysRequest
 from lmcache_svc.server.http_server import ConnectionLimits
-from tests.server.test_http import (  # noqa: F401 (serve is a fixture)
-    CHUNK_BYTES,
-    Served,
-    _connect,
-    _read_response,
-    assert_error,
-    make_chunk,
-    make_namespace,
-    serve,
-)
+from tests.helpers import CHUNK_BYTES, make_chunk, make_namespace
+from tests.server.rest import Served
+from tests.server.test_http import _connect, _read_response, assert_error
 
 BIG_BODY_LIMIT = 64 << 20  # chunk bodies may be this large; JSON bodies may not
 
@@ -46,9 +39,9 @@ def _keys_body(ns_hex: str, num_tokens: int) -> bytes:
 
 
 def test_json_body_over_the_json_limit_is_413_before_parsing(
-    serve: Callable[..., Served],  # noqa: F811
+    serve_http: Callable[..., Served],
 ) -> None:
-    served = serve(max_body_bytes=BIG_BODY_LIMIT)  # JSON keeps its own, smaller default
+    served = serve_http(max_body_bytes=BIG_BODY_LIMIT)  # JSON keeps its own, smaller default
     ns_hex = served.register(make_namespace())
     body = _keys_body(ns_hex, DEFAULT_MAX_JSON_BYTES // 8 + 1000)  # just over 4 MiB
     assert DEFAULT_MAX_JSON_BYTES < len(body) < BIG_BODY_LIMIT
@@ -66,8 +59,8 @@ def test_json_body_over_the_json_limit_is_413_before_parsing(
     assert served.client.put(ns_hex_url, content=make_chunk(1)).status_code == 201
 
 
-def test_json_limit_is_configurable(serve: Callable[..., Served]) -> None:  # noqa: F811
-    served = serve(max_body_bytes=BIG_BODY_LIMIT, max_json_bytes=1024)
+def test_json_limit_is_configurable(serve_http: Callable[..., Served]) -> None:
+    served = serve_http(max_body_bytes=BIG_BODY_LIMIT, max_json_bytes=1024)
     ns_hex = served.register(make_namespace())
     assert served.client.post("/v1/keys", content=_keys_body(ns_hex, 10)).status_code == 200
     r = served.client.post("/v1/keys", content=_keys_body(ns_hex, 200))
@@ -75,10 +68,10 @@ def test_json_limit_is_configurable(serve: Callable[..., Served]) -> None:  # no
 
 
 def test_json_bodies_are_parsed_off_the_event_loop(
-    serve: Callable[..., Served],  # noqa: F811
+    serve_http: Callable[..., Served],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    served = serve(max_body_bytes=BIG_BODY_LIMIT)
+    served = serve_http(max_body_bytes=BIG_BODY_LIMIT)
     ns_hex = served.register(make_namespace())
     on_loop: list[bool] = []
     original = KeysRequest.model_validate_json
@@ -105,9 +98,9 @@ def _in_event_loop() -> bool:
 
 
 def test_half_sent_request_head_is_closed_after_the_header_timeout(
-    serve: Callable[..., Served],  # noqa: F811
+    serve_http: Callable[..., Served],
 ) -> None:
-    served = serve(limits=ConnectionLimits(header_timeout_s=0.5))
+    served = serve_http(limits=ConnectionLimits(header_timeout_s=0.5))
     silent = _connect(served.url)  # sends nothing at all
     half = _connect(served.url)
     half.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Slow: ")  # never finishes
@@ -122,8 +115,8 @@ def test_half_sent_request_head_is_closed_after_the_header_timeout(
     assert served.client.get("/healthz").status_code == 200
 
 
-def test_head_timeout_does_not_cut_a_slow_body(serve: Callable[..., Served]) -> None:  # noqa: F811
-    served = serve(limits=ConnectionLimits(header_timeout_s=0.2), body_idle_timeout_s=30)
+def test_head_timeout_does_not_cut_a_slow_body(serve_http: Callable[..., Served]) -> None:
+    served = serve_http(limits=ConnectionLimits(header_timeout_s=0.2), body_idle_timeout_s=30)
     ns_hex = served.register(make_namespace())
     sock = _connect(served.url)
     sock.sendall(
@@ -139,10 +132,10 @@ def test_head_timeout_does_not_cut_a_slow_body(serve: Callable[..., Served]) -> 
 
 @pytest.mark.parametrize("what", ["chunk", "json"])
 def test_stalled_body_gets_408_and_the_connection_closes(
-    serve: Callable[..., Served],  # noqa: F811
+    serve_http: Callable[..., Served],
     what: str,
 ) -> None:
-    served = serve(body_idle_timeout_s=0.5)
+    served = serve_http(body_idle_timeout_s=0.5)
     ns_hex = served.register(make_namespace())
     if what == "chunk":
         head = f"PUT /v1/chunks/{ns_hex}/{'ef' * 32} HTTP/1.1\r\n"
@@ -163,8 +156,8 @@ def test_stalled_body_gets_408_and_the_connection_closes(
 # -- connection limit -------------------------------------------------------------------------
 
 
-def test_connection_limit_answers_503_beyond_it(serve: Callable[..., Served]) -> None:  # noqa: F811
-    served = serve(limits=ConnectionLimits(header_timeout_s=60, max_connections=3))
+def test_connection_limit_answers_503_beyond_it(serve_http: Callable[..., Served]) -> None:
+    served = serve_http(limits=ConnectionLimits(header_timeout_s=60, max_connections=3))
     held = [_connect(served.url) for _ in range(2)]
     for sock in held:
         sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n")  # half-sent, held open

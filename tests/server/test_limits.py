@@ -20,24 +20,19 @@ from lmcache_svc import errors
 from lmcache_svc.arena import Arena
 from lmcache_svc.bench.procs import ServerProc, start_server
 from lmcache_svc.cache import TieredCache
+from lmcache_svc.cache.settings import CacheSettings
 from lmcache_svc.client import CacheClient
-from lmcache_svc.keys import MAX_FIELD_VALUE, KVLayout, Namespace, chunk_hashes
-from lmcache_svc.policy import CacheSettings
+from lmcache_svc.keys import MAX_FIELD_VALUE, Namespace, chunk_hashes
 from lmcache_svc.server.grpc import build_grpc_server
 from lmcache_svc.server.http import create_app, make_uvicorn_server
 from lmcache_svc.tiers.cpu import CpuTier
 from lmcache_svc.v1 import cache_pb2 as pb
 from lmcache_svc.v1 import cache_pb2_grpc as pb_grpc
 from lmcache_svc.wire import namespace_to_pb
+from tests.helpers import make_namespace
 
 MAX_NAMESPACES = 3
 MAX_CHUNKS = 4
-
-
-def make_namespace(model: str = "m", chunk_size: int = 16) -> Namespace:
-    layout = KVLayout("uint8", num_layers=1, num_kv_heads=1, head_size=128, block_size=16,
-                      page_layout="test")  # fmt: skip
-    return Namespace(model=model, layout=layout, chunk_size=chunk_size)  # 4 KiB chunks
 
 
 def huge_namespace_pb(**changes: int) -> pb.Namespace:
@@ -78,11 +73,11 @@ def rpc_error(call: Callable[[], Any]) -> grpc.RpcError:
 def test_namespaces_are_bounded_and_known_ones_still_register(server: ServerProc) -> None:
     stub = pb_grpc.CacheServiceStub(grpc.insecure_channel(server.grpc))
     with CacheClient(server.grpc, use_shm=False) as c:
-        known = [make_namespace(f"model-{i}") for i in range(MAX_NAMESPACES)]
+        known = [make_namespace(model=f"model-{i}") for i in range(MAX_NAMESPACES)]
         ids = [c.register_namespace(ns) for ns in known]
         with pytest.raises(errors.TooManyNamespaces, match="cache.max_namespaces"):
-            c.register_namespace(make_namespace("one-too-many"))
-        request = pb.RegisterNamespaceRequest(namespace=namespace_to_pb(make_namespace("x")))
+            c.register_namespace(make_namespace(model="one-too-many"))
+        request = pb.RegisterNamespaceRequest(namespace=namespace_to_pb(make_namespace(model="x")))
         err = rpc_error(lambda: stub.RegisterNamespace(request, timeout=10))
         assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert [c.register_namespace(ns) for ns in known] == ids  # re-registering works
@@ -92,7 +87,7 @@ def test_namespaces_are_bounded_and_known_ones_still_register(server: ServerProc
 
 
 def test_get_of_too_many_hashes_is_refused_before_any_work(server: ServerProc) -> None:
-    ns = make_namespace("get-limit")
+    ns = make_namespace(model="get-limit")
     with CacheClient(server.grpc, use_shm=False) as c:
         ns_id = c.register_namespace(ns)
         hashes = chunk_hashes(ns, range(16 * (MAX_CHUNKS + 1)))
@@ -194,13 +189,13 @@ def test_rest_refuses_a_namespace_of_1e48_byte_chunks(rest: httpx.Client) -> Non
 def test_rest_namespace_limit_is_507_and_known_ones_register(rest: httpx.Client) -> None:
     ids = []
     for i in range(MAX_NAMESPACES):
-        r = rest.post("/v1/namespaces", json=make_namespace(f"m{i}").to_dict())
+        r = rest.post("/v1/namespaces", json=make_namespace(model=f"m{i}").to_dict())
         assert r.status_code == 200, r.text
         ids.append(r.json()["namespace_id"])
-    r = rest.post("/v1/namespaces", json=make_namespace("extra").to_dict())
+    r = rest.post("/v1/namespaces", json=make_namespace(model="extra").to_dict())
     assert r.status_code == 507, r.text
     assert r.json()["error"] == "too_many_namespaces"
-    again = rest.post("/v1/namespaces", json=make_namespace("m0").to_dict())
+    again = rest.post("/v1/namespaces", json=make_namespace(model="m0").to_dict())
     assert again.status_code == 200 and again.json()["namespace_id"] == ids[0]
 
 
@@ -292,11 +287,16 @@ def test_settings_reach_the_cache_from_the_config() -> None:
     from lmcache_svc.config import load_config
     from lmcache_svc.server.app import build_cache
 
-    env = {"LMCACHE_SVC_CACHE__MAX_NAMESPACES": "7", "LMCACHE_SVC_MAX_BODY_BYTES": "2MiB"}
+    env = {
+        "LMCACHE_SVC_CACHE__MAX_NAMESPACES": "7",
+        "LMCACHE_SVC_MAX_BODY_BYTES": "2MiB",
+        "LMCACHE_SVC_CACHE__MAINTENANCE_INTERVAL_S": "0.25",
+    }
     config = load_config(env=env, overrides={"cpu.capacity": "4MiB", "cpu.prefault": "off"})
     cache = build_cache(config)
     try:
         assert cache.settings.max_namespaces == 7
         assert cache.settings.max_chunk_bytes == 2 << 20
+        assert cache.settings.maintenance_interval_s == 0.25
     finally:
         cache.close()

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import json
 from collections.abc import Iterator
@@ -14,7 +13,7 @@ import pytest
 
 from lmcache_svc import errors
 from lmcache_svc.bench.procs import ServerProc, start_server
-from lmcache_svc.client import AsyncCacheClient, CacheClient, MemoryInfo
+from lmcache_svc.client import CacheClient, MemoryInfo
 from tests.memories.blobs import make_memory, memory_id_of
 from tests.server.test_grpc import run_py
 from tests.server.test_http import metric_value
@@ -190,40 +189,14 @@ def test_memories_need_the_token_over_grpc(servers: list[ServerProc], tmp_path: 
         assert c.get_memory(MID) == blob
 
 
-def test_async_client_has_the_same_semantics(servers: list[ServerProc], tmp_path: Path) -> None:
-    server = start(servers, tmp_path)
-    blob = make_memory(MID, seed=1)
-
-    async def scenario() -> None:
-        async with AsyncCacheClient(server.grpc, timeout_s=30) as c:
-            await c.wait_ready(30)
-            info = await c.put_memory(blob)
-            assert info == MemoryInfo(MID, len(blob), "test-model", {"source": "test"})
-            assert await c.put_memory(blob) == info
-            with pytest.raises(errors.Conflict):
-                await c.put_memory(make_memory(MID, seed=2))
-            assert await c.get_memory(MID) == blob
-            assert await c.list_memories() == [info]
-            assert await c.delete_memory(MID) is True
-            assert await c.get_memory(MID) is None
-            assert await c.delete_memory(MID) is False
-
-    asyncio.run(scenario())
-
-
-def test_async_client_raises_the_servers_error_class(
+def test_the_client_raises_the_servers_error_class(
     servers: list[ServerProc], tmp_path: Path
 ) -> None:
-    """grpc.aio's errors are not grpc.Call instances; they used to become a bare
-    LMCacheSvcError("UNKNOWN: ...") instead of the class the server named."""
+    """The error kind in the trailing metadata names the class (not a bare
+    LMCacheSvcError("UNKNOWN: ..."))."""
     server = start(servers, tmp_path)
-
-    async def scenario() -> None:
-        async with AsyncCacheClient(server.grpc, timeout_s=30) as c:
-            await c.wait_ready(30)
-            with pytest.raises(errors.UnknownNamespace):
-                await c.lookup(b"\x01" * 16, [b"\x02" * 32])
-            with pytest.raises(errors.BadMemory, match="not safetensors"):
-                await c.put_memory(b"junk")
-
-    asyncio.run(scenario())
+    with ready_client(server.grpc) as c:
+        with pytest.raises(errors.UnknownNamespace):
+            c.lookup(b"\x01" * 16, [b"\x02" * 32])
+        with pytest.raises(errors.BadMemory, match="not safetensors"):
+            c.put_memory(b"junk")

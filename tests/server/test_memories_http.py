@@ -5,65 +5,23 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
-import threading
-import time
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
 
 from lmcache_svc.memories.store import MemoryStore
-from lmcache_svc.server.http import create_app, make_uvicorn_server
 from tests.memories.blobs import make_memory, memory_id_of
-from tests.server.test_http import TOKEN, assert_error, make_cache, metric_value
+from tests.server.rest import App
+from tests.server.test_http import TOKEN, assert_error, metric_value
 
 MEMORIES = "/v1/memories"
 
 
-@dataclass
-class App:
-    store: MemoryStore
-    client: httpx.Client
-
-
 @pytest.fixture
-def serve() -> Iterator[Callable[..., App]]:
-    stops: list[Callable[[], None]] = []
-
-    def start(store: MemoryStore | None = None, **kwargs: Any) -> App:
-        store = store or MemoryStore(capacity_bytes=1 << 20, max_bytes=1 << 16)
-        cache = make_cache()
-        kwargs.setdefault("max_body_bytes", 1 << 20)
-        server = make_uvicorn_server(create_app(cache, memories=store, **kwargs), "127.0.0.1", 0)
-        thread = threading.Thread(target=server.run, daemon=True)
-        thread.start()
-        deadline = time.monotonic() + 10
-        while not server.started:
-            assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
-            time.sleep(0.005)
-        port = server.servers[0].sockets[0].getsockname()[1]
-        client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=10)
-
-        def stop() -> None:
-            client.close()
-            server.should_exit = True
-            thread.join(timeout=10)
-            cache.close()
-
-        stops.append(stop)
-        return App(store, client)
-
-    yield start
-    for stop in reversed(stops):
-        stop()
-
-
-@pytest.fixture
-def app(serve: Callable[..., App]) -> App:
-    return serve()
+def app(serve_memories: Callable[..., App]) -> App:
+    return serve_memories()
 
 
 def post(app: App, blob: bytes) -> httpx.Response:
@@ -125,9 +83,9 @@ def test_bad_ids_are_400(app: App) -> None:
     assert app.client.head(f"{MEMORIES}/NOT-A-UUID").status_code == 400
 
 
-def test_oversize_is_413_and_no_capacity_507(serve: Callable[..., App]) -> None:
+def test_oversize_is_413_and_no_capacity_507(serve_memories: Callable[..., App]) -> None:
     blob = make_memory(seed=1)
-    small = serve(MemoryStore(capacity_bytes=len(blob), max_bytes=len(blob)))
+    small = serve_memories(MemoryStore(capacity_bytes=len(blob), max_bytes=len(blob)))
     assert_error(post(small, blob + b"x"), 413, "payload_too_large", "memory.max_bytes")
     chunked = small.client.post(MEMORIES, content=iter([blob, b"more"]))  # no Content-Length
     assert_error(chunked, 413, "payload_too_large", "at least")
@@ -135,13 +93,13 @@ def test_oversize_is_413_and_no_capacity_507(serve: Callable[..., App]) -> None:
     assert_error(post(small, make_memory(seed=2)), 507, "no_space", "memory.capacity")
 
 
-def test_server_body_limit_still_applies(serve: Callable[..., App]) -> None:
-    app = serve(max_body_bytes=100)
+def test_server_body_limit_still_applies(serve_memories: Callable[..., App]) -> None:
+    app = serve_memories(max_body_bytes=100)
     assert_error(post(app, make_memory()), 413, "payload_too_large", "100 bytes")
 
 
-def test_auth_covers_memories(serve: Callable[..., App]) -> None:
-    app = serve(auth_token=TOKEN)
+def test_auth_covers_memories(serve_memories: Callable[..., App]) -> None:
+    app = serve_memories(auth_token=TOKEN)
     blob = make_memory()
     assert_error(post(app, blob), 401, "unauthenticated")
     assert_error(app.client.get(MEMORIES), 401, "unauthenticated")

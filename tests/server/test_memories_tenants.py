@@ -14,15 +14,16 @@ from lmcache_svc.bench.procs import ServerProc, start_server
 from lmcache_svc.client import CacheClient
 from lmcache_svc.server.tokens import Authenticator
 from tests.memories.blobs import make_memory, memory_id_of
-from tests.server.test_memories_http import MEMORIES, App, serve  # noqa: F401 (fixture)
+from tests.server.rest import App
+from tests.server.test_memories_http import MEMORIES
 from tests.server.test_tenants import ACME, ACME_READER, ADMIN, BOB, bearer, tokens_file  # noqa: F401
 
 
 def test_rest_memories_are_walled_off_by_tenant(
-    serve: Callable[..., App],  # noqa: F811
+    serve_memories: Callable[..., App],
     tokens_file: Path,  # noqa: F811
 ) -> None:
-    app = serve(auth=Authenticator(tokens_file=tokens_file))
+    app = serve_memories(auth=Authenticator(tokens_file=tokens_file))
     blob = make_memory(seed=1)
     memory_id = memory_id_of(blob)
     created = app.client.post(MEMORIES, content=blob, headers=bearer(ACME))
@@ -45,11 +46,11 @@ def test_rest_memories_are_walled_off_by_tenant(
 
 
 def test_rest_memory_bodies_are_not_held_to_the_json_limit(
-    serve: Callable[..., App],  # noqa: F811
+    serve_memories: Callable[..., App],
     tokens_file: Path,  # noqa: F811
 ) -> None:
     """A memory body is binary, bounded by memory.max_bytes, not by http.max_json_bytes."""
-    app = serve(auth=Authenticator(tokens_file=tokens_file), max_json_bytes=1024)
+    app = serve_memories(auth=Authenticator(tokens_file=tokens_file), max_json_bytes=1024)
     blob = make_memory(tensors={"layers.0.keys": ("U8", [4096], bytes(4096))})
     assert len(blob) > 1024
     created = app.client.post(MEMORIES, content=blob, headers=bearer(ACME))

@@ -8,7 +8,6 @@ reservation belongs to its session and one session cannot reserve the whole aren
 
 from __future__ import annotations
 
-import hashlib
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -21,17 +20,9 @@ from lmcache_svc import errors
 from lmcache_svc.client import CacheClient
 from lmcache_svc.v1 import cache_pb2 as pb
 from lmcache_svc.v1 import cache_pb2_grpc as pb_grpc
+from tests.helpers import make_chunk, make_hash
 from tests.server.inprocess import CHUNK, NS_ID, InProcessServer
 from tests.server.inprocess import serve as serve  # the fixture
-
-
-def make_hash(name: str) -> bytes:
-    return hashlib.sha256(name.encode()).digest()
-
-
-def make_chunk(name: str) -> bytes:
-    seed = hashlib.sha256(b"data" + name.encode()).digest()
-    return (seed * (CHUNK // len(seed) + 1))[:CHUNK]
 
 
 def stub_for(srv: InProcessServer) -> tuple[grpc.Channel, pb_grpc.CacheServiceStub]:
@@ -80,13 +71,13 @@ def test_stalled_put_never_writes_into_a_slot_given_to_another_chunk(serve) -> N
     with CacheClient(srv.socket, use_shm=False) as client:
         # "b" is stored as soon as the arena has room again (a's slot back in circulation)
         wait_for(
-            lambda: client.put(NS_ID, [(make_hash("b"), make_chunk("b"))]) == 1,
+            lambda: client.put(NS_ID, [(make_hash("b"), make_chunk("b", CHUNK))]) == 1,
             "room for b",
             timeout_s=60,
         )
         resume.set()
         writer.join(60)
-        assert client.get(NS_ID, [make_hash("b")]) == [make_chunk("b")]
+        assert client.get(NS_ID, [make_hash("b")]) == [make_chunk("b", CHUNK)]
         assert client.get(NS_ID, [make_hash("a")]) == [None]
     assert "response" not in outcome, f"a stalled Put answered {outcome.get('response')}"
     error = outcome["error"]
@@ -101,7 +92,7 @@ def test_slow_put_that_keeps_sending_is_stored(serve) -> None:
     # lifetime, but data keeps arriving, so the reservation is extended and the chunk stored.
     srv = serve(2, reservation_ttl_s=2.0)
     channel, stub = stub_for(srv)
-    data = make_chunk("slow")
+    data = make_chunk("slow", CHUNK)
     pieces = 8
 
     def slow_parts() -> Iterator[pb.ChunkPart]:
@@ -123,11 +114,11 @@ def test_put_of_a_chunk_in_progress_elsewhere_is_not_counted_as_stored(serve) ->
     (prepared,) = srv.cache.prepare_store(NS_ID, [make_hash("a")], session_id=sid)
     assert prepared.status == "reserved"
     channel, stub = stub_for(srv)
-    parts = [header("a"), pb.ChunkPart(data=make_chunk("a"))]
+    parts = [header("a"), pb.ChunkPart(data=make_chunk("a", CHUNK))]
     response = stub.Put(iter(parts), timeout=30)
     assert (response.num_stored, response.num_in_progress) == (0, 1)
     with CacheClient(srv.socket, use_shm=False) as client:
-        assert client.put(NS_ID, [(make_hash("a"), make_chunk("a"))]) == 0
+        assert client.put(NS_ID, [(make_hash("a"), make_chunk("a", CHUNK))]) == 0
     channel.close()
 
 
@@ -169,7 +160,7 @@ def test_one_session_cannot_reserve_the_whole_arena_for_long(serve) -> None:
             client.prepare_store(NS_ID, hashes[2:3])
         # another client still has room
         with CacheClient(srv.socket) as other:
-            assert other.store(NS_ID, hashes[2:3], [make_chunk("2")]) == 1
+            assert other.store(NS_ID, hashes[2:3], [make_chunk("2", CHUNK)]) == 1
         assert client.commit_store(NS_ID, hashes[:2], abort=True) == 2
     channel, stub = stub_for(srv)
     sid = srv.cache.open_session()

@@ -1,6 +1,6 @@
 """Per-tenant credentials: the tokens file, its reload, and tenant walls on REST and gRPC.
 
-REST runs the app in uvicorn in a thread (``test_http``'s ``serve``); gRPC a real server
+REST runs the app in uvicorn in a thread (the ``serve_http`` fixture); gRPC a real server
 process (``bench.procs.start_server``) given the tokens file through the environment.
 """
 
@@ -24,14 +24,11 @@ from lmcache_svc.bench.procs import ServerProc, start_server
 from lmcache_svc.client import CacheClient
 from lmcache_svc.config import load_config
 from lmcache_svc.errors import ConfigError, Unauthenticated
-from lmcache_svc.keys import KVLayout, Namespace, chunk_hashes
+from lmcache_svc.keys import Namespace, chunk_hashes
 from lmcache_svc.server.tokens import RECHECK_S, Authenticator, read_tokens_file
-from tests.server.test_http import (  # noqa: F401 (serve is a fixture)
-    Served,
-    assert_error,
-    make_chunk,
-    serve,
-)
+from tests.helpers import make_chunk, make_namespace
+from tests.server.rest import Served
+from tests.server.test_http import assert_error
 
 ACME = "acme-token-00000001"
 ACME_READER = "acme-reader-0000001"
@@ -49,13 +46,6 @@ tokens:
   - admin: true
     token: {ADMIN}
 """
-
-
-def make_namespace(tenant: str, chunk_size: int = 16, model: str = "m") -> Namespace:
-    layout = KVLayout(
-        "float16", num_layers=1, num_kv_heads=1, head_size=64, block_size=16, page_layout="t"
-    )
-    return Namespace(model=model, layout=layout, chunk_size=chunk_size, tenant=tenant)
 
 
 def bearer(token: str) -> dict[str, str]:
@@ -170,10 +160,10 @@ def test_a_broken_tokens_file_keeps_the_previous_tokens(
 
 def test_namespace_ids_of_different_tenants_never_collide() -> None:
     tenants = ["acme", "bob", "default", 'a"', "a\\", "a,b", "ACME", "acme ", "é", "a" * 256]
-    ids = {make_namespace(t).namespace_id for t in tenants}
+    ids = {make_namespace(tenant=t).namespace_id for t in tenants}
     assert len(ids) == len(tenants)
     tokens = list(range(64))
-    hashes = {chunk_hashes(make_namespace(t), tokens)[0] for t in tenants}
+    hashes = {chunk_hashes(make_namespace(tenant=t), tokens)[0] for t in tenants}
     assert len(hashes) == len(tenants)  # so no chunk key is shared either
 
 
@@ -181,8 +171,8 @@ def test_namespace_ids_of_different_tenants_never_collide() -> None:
 
 
 @pytest.fixture
-def rest(serve: Callable[..., Served], tokens_file: Path) -> Served:  # noqa: F811
-    return serve(auth=Authenticator(tokens_file=tokens_file))
+def rest(serve_http: Callable[..., Served], tokens_file: Path) -> Served:
+    return serve_http(auth=Authenticator(tokens_file=tokens_file))
 
 
 def _register(c: httpx.Client, ns: Namespace, token: str) -> str:
@@ -193,24 +183,24 @@ def _register(c: httpx.Client, ns: Namespace, token: str) -> str:
 
 def test_rest_token_registers_only_its_tenants_namespaces(rest: Served) -> None:
     c = rest.client
-    _register(c, make_namespace("acme"), ACME)
-    r = c.post("/v1/namespaces", json=make_namespace("bob").to_dict(), headers=bearer(ACME))
+    _register(c, make_namespace(tenant="acme"), ACME)
+    r = c.post("/v1/namespaces", json=make_namespace(tenant="bob").to_dict(), headers=bearer(ACME))
     assert_error(r, 403, "permission_denied", "tenant 'acme'", "'bob'")
-    keys = {"namespace": make_namespace("bob").to_dict(), "token_ids": list(range(16))}
+    keys = {"namespace": make_namespace(tenant="bob").to_dict(), "token_ids": list(range(16))}
     assert_error(c.post("/v1/keys", json=keys, headers=bearer(ACME)), 403, "permission_denied")
     assert rest.cache.stats().num_namespaces == 1
-    _register(c, make_namespace("bob"), ADMIN)  # an admin token registers for any tenant
+    _register(c, make_namespace(tenant="bob"), ADMIN)  # an admin token registers for any tenant
 
 
 def test_rest_other_tenants_namespace_looks_unregistered(rest: Served) -> None:
     c = rest.client
-    bob_ns = make_namespace("bob")
+    bob_ns = make_namespace(tenant="bob")
     bob_hex = _register(c, bob_ns, BOB)
     (h,) = chunk_hashes(bob_ns, list(range(16)))
     url = f"/v1/chunks/{bob_hex}/{h.hex()}"
     original = make_chunk(1)
     assert c.put(url, content=original, headers=bearer(BOB)).status_code == 201
-    never = make_namespace("bob", model="never-registered").namespace_id.hex()
+    never = make_namespace(tenant="bob", model="never-registered").namespace_id.hex()
     requests: list[tuple[str, Callable[[str], str], dict[str, object]]] = [
         ("GET", lambda ns: f"/v1/chunks/{ns}/{h.hex()}", {}),
         ("HEAD", lambda ns: f"/v1/chunks/{ns}/{h.hex()}", {}),
@@ -243,7 +233,7 @@ def test_rest_same_prompt_in_two_tenants_is_two_chunks(rest: Served) -> None:
     tokens = list(range(16))
     urls = {}
     for tenant, token in (("acme", ACME), ("bob", BOB)):
-        ns = make_namespace(tenant)
+        ns = make_namespace(tenant=tenant)
         ns_hex = _register(c, ns, token)
         r = c.post(
             "/v1/keys", json={"namespace_id": ns_hex, "token_ids": tokens}, headers=bearer(token)
@@ -264,7 +254,7 @@ def test_rest_admin_only_and_read_only_routes(rest: Served) -> None:
             assert_error(c.get(path, headers=bearer(token)), 403, "permission_denied", "admin")
         assert c.get(path, headers=bearer(ADMIN)).status_code == 200
     assert c.get("/openapi.json", headers=bearer(ACME)).status_code == 200
-    ns = make_namespace("acme")
+    ns = make_namespace(tenant="acme")
     ns_hex = _register(c, ns, ACME_READER)  # registering is not a write of chunk data
     url = f"/v1/chunks/{ns_hex}/{'ab' * 32}"
     r = c.put(url, content=make_chunk(3), headers=bearer(ACME_READER))
@@ -296,7 +286,7 @@ def grpc_server(tmp_path: Path, tokens_file: Path) -> Iterator[ServerProc]:
     proc.cleanup()
 
 
-GRPC_NS = make_namespace("bob", chunk_size=256)
+GRPC_NS = make_namespace(tenant="bob", chunk_size=256)
 
 
 def test_grpc_other_tenants_namespace_looks_unregistered(grpc_server: ServerProc) -> None:
@@ -305,7 +295,7 @@ def test_grpc_other_tenants_namespace_looks_unregistered(grpc_server: ServerProc
     with CacheClient(grpc_server.grpc, auth_token=BOB) as bob:
         bob_id = bob.register_namespace(GRPC_NS)
         assert bob.put(bob_id, list(zip(hashes, data))) == 2
-    never = make_namespace("bob", chunk_size=256, model="never").namespace_id
+    never = make_namespace(tenant="bob", chunk_size=256, model="never").namespace_id
     with CacheClient(grpc_server.grpc, auth_token=ACME) as acme:
         with pytest.raises(errors.PermissionDenied, match="tenant 'acme'"):
             acme.register_namespace(GRPC_NS)
@@ -334,7 +324,7 @@ def test_grpc_other_tenants_namespace_looks_unregistered(grpc_server: ServerProc
 
 
 def test_grpc_read_only_token_cannot_write(grpc_server: ServerProc) -> None:
-    ns = make_namespace("acme", chunk_size=256)
+    ns = make_namespace(tenant="acme", chunk_size=256)
     hashes = chunk_hashes(ns, list(range(256)))
     with CacheClient(grpc_server.grpc, auth_token=ACME_READER) as reader:
         ns_id = reader.register_namespace(ns)
@@ -358,7 +348,7 @@ def test_grpc_sighup_rereads_the_tokens_file(grpc_server: ServerProc, tokens_fil
     rotated = "acme-token-rotated-1"
     _rewrite(tokens_file, TOKENS.replace(ACME, rotated))
     os.kill(grpc_server.proc.pid, signal.SIGHUP)
-    ns = make_namespace("acme", chunk_size=256)
+    ns = make_namespace(tenant="acme", chunk_size=256)
     deadline = time.monotonic() + 30
     while True:
         try:

@@ -10,7 +10,8 @@ import httpx
 from lmcache_svc.bench.procs import start_server
 from lmcache_svc.client import CacheClient
 from lmcache_svc.keys import chunk_hashes
-from tests.server.test_grpc import NS, make_chunk
+from tests.helpers import make_chunk
+from tests.server.test_grpc import CHUNK, NS
 
 CHUNKS = 24  # 24 x 64 KiB into a 1 MiB arena: the oldest chunks are evicted
 
@@ -20,7 +21,7 @@ def store_all(address: str) -> list[bytes]:
     with CacheClient(address) as c:
         ns_id = c.register_namespace(NS)
         for i, h in enumerate(hashes):
-            assert c.store(ns_id, [h], [make_chunk(i)]) == 1
+            assert c.store(ns_id, [h], [make_chunk(i, CHUNK)]) == 1
     return hashes
 
 
@@ -43,9 +44,11 @@ def test_ssd_tier_keeps_demoted_chunks_across_a_restart(tmp_path: Path) -> None:
             ns_id = c.register_namespace(NS)
             found = c.lookup(ns_id, hashes)
             assert found.num_hit_chunks == num_on_ssd and set(found.tiers) == {"ssd"}
+            assert found.media == ["disk"] * num_on_ssd  # what the engine reports hits by
             got = c.load(ns_id, hashes[:4])  # promoted into the new arena
-            assert got == [make_chunk(i) for i in range(4)]
-            assert c.lookup(ns_id, hashes[:4]).tiers == ["cpu"] * 4
+            assert got == [make_chunk(i, CHUNK) for i in range(4)]
+            promoted = c.lookup(ns_id, hashes[:4])
+            assert promoted.tiers == ["cpu"] * 4 and promoted.media == ["host_memory"] * 4
         metrics = httpx.get(f"{second.http_url}/metrics", timeout=5).text
         assert 'lmcache_svc_promotions_total{tier="cpu"} 4.0' in metrics
     finally:
@@ -60,14 +63,15 @@ def test_two_servers_share_chunks_through_redis(tmp_path: Path, redis_server) ->
     try:
         hashes = chunk_hashes(NS, list(range(4 * 256)))
         with CacheClient(a.socket) as ca:
-            ca.store(ca.register_namespace(NS), hashes, [make_chunk(i) for i in range(4)])
+            ca.store(ca.register_namespace(NS), hashes, [make_chunk(i, CHUNK) for i in range(4)])
         with CacheClient(b.socket) as cb:
             ns_id = cb.register_namespace(NS)
             deadline = time.monotonic() + 10  # write-through is asynchronous
             while cb.lookup(ns_id, hashes).num_hit_chunks < 4 and time.monotonic() < deadline:
                 time.sleep(0.05)
-            assert cb.lookup(ns_id, hashes).tiers == ["redis"] * 4
-            assert cb.load(ns_id, hashes) == [make_chunk(i) for i in range(4)]
+            remote = cb.lookup(ns_id, hashes)
+            assert remote.tiers == ["redis"] * 4 and remote.media == ["remote"] * 4
+            assert cb.load(ns_id, hashes) == [make_chunk(i, CHUNK) for i in range(4)]
             assert cb.lookup(ns_id, hashes).tiers == ["cpu"] * 4
     finally:
         a.cleanup()
@@ -84,11 +88,21 @@ def test_a_dead_redis_is_a_miss_not_a_failure(tmp_path: Path, redis_factory) -> 
         hashes = chunk_hashes(NS, list(range(3 * 256)))
         with CacheClient(server.socket, timeout_s=10) as c:
             ns_id = c.register_namespace(NS)
-            assert c.store(ns_id, hashes[:2], [make_chunk(0), make_chunk(1)]) == 2
+            assert (
+                c.store(
+                    ns_id,
+                    hashes[:2],
+                    [make_chunk(0, CHUNK), make_chunk(1, CHUNK)],
+                )
+                == 2
+            )
             started = time.monotonic()
             found = c.lookup(ns_id, hashes)
             assert found.num_hit_chunks == 2 and time.monotonic() - started < 5
-            assert c.load(ns_id, hashes) == [make_chunk(0), make_chunk(1)]
+            assert c.load(ns_id, hashes) == [
+                make_chunk(0, CHUNK),
+                make_chunk(1, CHUNK),
+            ]
         metrics = httpx.get(f"{server.http_url}/metrics", timeout=5).text
         assert 'lmcache_svc_errors_total{kind="tier_unavailable"}' in metrics
         assert 'lmcache_svc_tier_errors_total{kind="tier_unavailable",tier="redis"}' in metrics

@@ -14,20 +14,13 @@ import pytest
 from lmcache_svc.arena import Arena
 from lmcache_svc.errors import Corrupted, InvalidArgument, TierError
 from lmcache_svc.keys import ChunkKey
-from lmcache_svc.tiers.base import Failed, SlotTier, Tier
+from lmcache_svc.tiers.base import MEDIA, Failed, SlotTier, Tier
 from lmcache_svc.tiers.cpu import CpuTier
 from lmcache_svc.tiers.ssd import SsdTier
+from tests.helpers import make_chunk, make_key
 
 CHUNK = 16 * 1024
 CAPACITY_CHUNKS = 8
-
-
-def make_key(i: int) -> ChunkKey:
-    return ChunkKey(bytes([i % 256]) * 16 + i.to_bytes(32, "little"))
-
-
-def make_chunk(i: int) -> bytes:
-    return bytes((i + j) % 256 for j in range(256)) * (CHUNK // 256)
 
 
 def _cpu(tmp_path: Path, request: pytest.FixtureRequest) -> Tier:
@@ -55,7 +48,22 @@ def _redis_cluster(tmp_path: Path, request: pytest.FixtureRequest) -> Tier:
     return RedisTier(cluster.url, CAPACITY_CHUNKS * (CHUNK + 128), cluster=True, key_prefix=prefix)
 
 
-FACTORIES = {"cpu": _cpu, "ssd": _ssd, "redis": _redis, "redis_cluster": _redis_cluster}
+def _hbm(tmp_path: Path, request: pytest.FixtureRequest) -> Tier:
+    # the HBM tier over a CPU tensor (its allocator seam): all of it but the device copies
+    torch = pytest.importorskip("torch", reason="the HBM tier needs torch (the [torch] extra)")
+    from lmcache_svc.tiers.hbm import DevicePool, HbmTier
+
+    pool = DevicePool(torch.zeros(CAPACITY_CHUNKS * CHUNK, dtype=torch.uint8))
+    return HbmTier(pool, slab_bytes=CHUNK)
+
+
+FACTORIES = {
+    "cpu": _cpu,
+    "ssd": _ssd,
+    "redis": _redis,
+    "redis_cluster": _redis_cluster,
+    "hbm": _hbm,
+}
 
 
 @pytest.fixture(params=sorted(FACTORIES))
@@ -66,11 +74,11 @@ def tier(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Tier]:
 
 
 def test_round_trip(tier: Tier) -> None:
-    assert tier.put(make_key(1), make_chunk(1))
+    assert tier.put(make_key(1), make_chunk(1, CHUNK))
     out = bytearray(CHUNK)
     assert tier.read_into(make_key(1), memoryview(out))
-    assert bytes(out) == make_chunk(1)
-    assert tier.get(make_key(1)) == make_chunk(1)
+    assert bytes(out) == make_chunk(1, CHUNK)
+    assert tier.get(make_key(1)) == make_chunk(1, CHUNK)
     assert tier.size_of(make_key(1)) == CHUNK
     assert tier.num_chunks == 1 and tier.used_bytes >= CHUNK
 
@@ -83,10 +91,10 @@ def test_missing_chunks(tier: Tier) -> None:
 
 
 def test_overwrite_replaces_and_delete_frees(tier: Tier) -> None:
-    tier.put(make_key(1), make_chunk(1))
+    tier.put(make_key(1), make_chunk(1, CHUNK))
     used = tier.used_bytes
-    assert tier.put(make_key(1), make_chunk(2))
-    assert tier.get(make_key(1)) == make_chunk(2)
+    assert tier.put(make_key(1), make_chunk(2, CHUNK))
+    assert tier.get(make_key(1)) == make_chunk(2, CHUNK)
     assert tier.used_bytes == used and tier.num_chunks == 1
     assert tier.delete(make_key(1)) > 0
     assert tier.used_bytes == 0 and tier.num_chunks == 0
@@ -95,22 +103,22 @@ def test_overwrite_replaces_and_delete_frees(tier: Tier) -> None:
 
 def test_contains_many_keeps_order(tier: Tier) -> None:
     for i in (0, 2, 3):
-        tier.put(make_key(i), make_chunk(i))
+        tier.put(make_key(i), make_chunk(i, CHUNK))
     assert tier.contains_many([make_key(i) for i in range(5)]) == [True, False, True, True, False]
     assert tier.contains_many([]) == []
 
 
 def test_batches(tier: Tier) -> None:
-    items = [(make_key(i), make_chunk(i)) for i in range(4)]
+    items = [(make_key(i), make_chunk(i, CHUNK)) for i in range(4)]
     assert tier.put_many(items) == [True] * 4
     outs = [memoryview(bytearray(CHUNK)) for _ in range(5)]
     got = tier.read_many_into([(make_key(i), outs[i]) for i in range(5)])
     assert got == [True, True, True, True, False]
-    assert [bytes(o) for o in outs[:4]] == [make_chunk(i) for i in range(4)]
+    assert [bytes(o) for o in outs[:4]] == [make_chunk(i, CHUNK) for i in range(4)]
 
 
 def test_capacity_is_never_exceeded(tier: Tier) -> None:
-    results = [tier.put(make_key(i), make_chunk(i)) for i in range(CAPACITY_CHUNKS + 3)]
+    results = [tier.put(make_key(i), make_chunk(i, CHUNK)) for i in range(CAPACITY_CHUNKS + 3)]
     assert results[:CAPACITY_CHUNKS] == [True] * CAPACITY_CHUNKS
     assert results[CAPACITY_CHUNKS:] == [False] * 3
     assert tier.used_bytes <= tier.capacity_bytes
@@ -120,7 +128,7 @@ def test_capacity_is_never_exceeded(tier: Tier) -> None:
 def test_capacity_under_concurrent_puts(tier: Tier) -> None:
     def put_range(start: int) -> None:
         for i in range(start, start + 6):
-            tier.put(make_key(i), make_chunk(i))
+            tier.put(make_key(i), make_chunk(i, CHUNK))
 
     threads = [threading.Thread(target=put_range, args=(k * 6,)) for k in range(4)]
     for t in threads:
@@ -132,19 +140,19 @@ def test_capacity_under_concurrent_puts(tier: Tier) -> None:
 
 
 def test_wrong_output_size_is_an_error(tier: Tier) -> None:
-    tier.put(make_key(1), make_chunk(1))
+    tier.put(make_key(1), make_chunk(1, CHUNK))
     with pytest.raises(InvalidArgument):
         tier.read_into(make_key(1), memoryview(bytearray(CHUNK - 1)))
 
 
 def test_stats_and_slot_capability(tier: Tier) -> None:
-    tier.put(make_key(1), make_chunk(1))
+    tier.put(make_key(1), make_chunk(1, CHUNK))
     stats = tier.stats()
     assert stats.name == tier.name and stats.num_chunks == 1
     assert stats.capacity_bytes == tier.capacity_bytes
     if isinstance(tier, SlotTier):
         slot = tier.slot_of(make_key(1))
-        assert slot is not None and bytes(tier.view(slot)) == make_chunk(1)
+        assert slot is not None and bytes(tier.view(slot)) == make_chunk(1, CHUNK)
         assert tier.segment().transport == "shm"
 
 
@@ -227,7 +235,7 @@ def faulty(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Faulty]:
 
 
 def test_batch_put_reports_no_room_per_item(tier: Tier) -> None:
-    items = [(make_key(i), make_chunk(i)) for i in range(CAPACITY_CHUNKS + 2)]
+    items = [(make_key(i), make_chunk(i, CHUNK)) for i in range(CAPACITY_CHUNKS + 2)]
     assert tier.put_many(items) == [True] * CAPACITY_CHUNKS + [False] * 2
     assert tier.num_chunks == CAPACITY_CHUNKS and tier.used_bytes <= tier.capacity_bytes
     assert tier.contains_many([k for k, _ in items]) == [True] * CAPACITY_CHUNKS + [False] * 2
@@ -235,7 +243,7 @@ def test_batch_put_reports_no_room_per_item(tier: Tier) -> None:
 
 def test_batch_put_failures_are_per_item_and_not_counted(faulty: Faulty) -> None:
     tier = faulty.tier
-    items = [(make_key(i), make_chunk(i)) for i in range(6)]
+    items = [(make_key(i), make_chunk(i, CHUNK)) for i in range(6)]
     results = tier.put_many(items)
 
     good = [i for i in range(6) if i not in BAD]
@@ -247,7 +255,7 @@ def test_batch_put_failures_are_per_item_and_not_counted(faulty: Faulty) -> None
     assert tier.contains_many([k for k, _ in items]) == [i not in BAD for i in range(6)]
     outs = [memoryview(bytearray(CHUNK)) for _ in good]
     assert tier.read_many_into([(make_key(i), o) for i, o in zip(good, outs)]) == [True] * 4
-    assert [bytes(o) for o in outs] == [make_chunk(i) for i in good]
+    assert [bytes(o) for o in outs] == [make_chunk(i, CHUNK) for i in good]
     for i in good:  # what succeeded can be removed, and then nothing is counted any more
         assert tier.delete(make_key(i)) > 0
     assert (tier.used_bytes, tier.num_chunks) == (0, 0)
@@ -255,19 +263,38 @@ def test_batch_put_failures_are_per_item_and_not_counted(faulty: Faulty) -> None
 
 def test_single_put_failure_raises(faulty: Faulty) -> None:
     with pytest.raises(TierError):
-        faulty.tier.put(make_key(BAD[0]), make_chunk(0))
+        faulty.tier.put(make_key(BAD[0]), make_chunk(0, CHUNK))
     assert (faulty.tier.used_bytes, faulty.tier.num_chunks) == (0, 0)
 
 
 def test_batch_read_reports_a_corrupted_item_and_keeps_the_others(faulty: Faulty) -> None:
     tier = faulty.tier
-    assert tier.put_many([(make_key(i), make_chunk(i)) for i in (0, 1, 3)]) == [True] * 3
+    assert tier.put_many([(make_key(i), make_chunk(i, CHUNK)) for i in (0, 1, 3)]) == [True] * 3
     faulty.corrupt(make_key(1))
     outs = [memoryview(bytearray(CHUNK)) for _ in range(4)]
     results = tier.read_many_into([(make_key(i), o) for i, o in zip((0, 1, 3, 4), outs)])
 
     assert results[0] is True and results[2] is True and results[3] is False
     assert isinstance(results[1], Failed) and isinstance(results[1].error, Corrupted)
-    assert (bytes(outs[0]), bytes(outs[2])) == (make_chunk(0), make_chunk(3))
+    assert (bytes(outs[0]), bytes(outs[2])) == (make_chunk(0, CHUNK), make_chunk(3, CHUNK))
     assert tier.contains_many([make_key(i) for i in (0, 1, 3)]) == [True, False, True]
     assert tier.num_chunks == 2  # the corrupted chunk was dropped and left the accounting
+
+
+EXPECTED_MEDIA = {
+    "cpu": "host_memory",
+    "hbm": "device",
+    "ssd": "disk",
+    "redis": "remote",
+    "redis_cluster": "remote",
+}
+
+
+def test_each_tier_says_where_it_keeps_its_bytes(
+    tier: Tier, request: pytest.FixtureRequest
+) -> None:
+    """The medium is what a lookup reports per hit and what tells a server whether a call may
+    block: a tier is asked, never recognised by name."""
+    kind = request.node.callspec.params["tier"]
+    assert tier.medium in MEDIA and tier.medium == EXPECTED_MEDIA[kind]
+    assert tier.may_block == (tier.medium in ("disk", "remote"))

@@ -3,7 +3,6 @@ start-up scan, cluster and failure handling."""
 
 from __future__ import annotations
 
-import hashlib
 import os
 import signal
 import time
@@ -19,18 +18,10 @@ from lmcache_svc.errors import ConfigError, Corrupted, InvalidArgument, TierErro
 from lmcache_svc.keys import ChunkKey
 from lmcache_svc.tiers.base import Failed, ItemResult
 from lmcache_svc.tiers.redis import HEADER, RedisTier
+from tests.helpers import make_chunk, make_key
 
 KiB = 1 << 10
 MiB = 1 << 20
-
-
-def make_key(i: int) -> ChunkKey:
-    return ChunkKey(hashlib.sha384(f"chunk-{i}".encode()).digest())
-
-
-def make_chunk(i: int, nbytes: int = 4 * KiB) -> bytes:
-    block = hashlib.sha256(f"payload-{i}".encode()).digest()
-    return (block * (nbytes // len(block) + 1))[:nbytes]
 
 
 def read(tier: RedisTier, key: ChunkKey, nbytes: int = 4 * KiB) -> bytes | None:

@@ -19,7 +19,8 @@ from lmcache_svc.bench.procs import ServerProc, start_server
 from lmcache_svc.bench.redis_procs import RedisProc, send_command
 from lmcache_svc.client import CacheClient
 from lmcache_svc.keys import chunk_hashes
-from tests.server.test_grpc import NS, make_chunk
+from tests.helpers import make_chunk
+from tests.server.test_grpc import CHUNK, NS
 from tests.tiers.fault_helpers import metric, redis_holds, tier_stats, wait_for
 
 REDIS_TIMEOUT_S = 6.0
@@ -95,7 +96,7 @@ def test_a_hung_redis_is_marked_down_and_arena_work_never_waits(
         warm = hashes_for(0, 8)
         with CacheClient(server.socket, timeout_s=30) as setup:
             ns_id = setup.register_namespace(NS)
-            assert setup.store(ns_id, warm, [make_chunk(i) for i in range(8)]) == 8
+            assert setup.store(ns_id, warm, [make_chunk(i, CHUNK) for i in range(8)]) == 8
 
         def loader(seed: int) -> Callable[[int], None]:
             client = CacheClient(server.socket, timeout_s=30)
@@ -113,11 +114,11 @@ def test_a_hung_redis_is_marked_down_and_arena_work_never_waits(
 
         def store_new(i: int) -> None:
             h = hashes_for(10_000_000 + i * 256, 1)
-            assert arena.store(ns_id, h, [make_chunk(i)]) == 1
+            assert arena.store(ns_id, h, [make_chunk(i, CHUNK)]) == 1
 
         def load_warm(i: int) -> None:
             assert arena.lookup(ns_id, warm).num_hit_chunks == 8
-            assert arena.load(ns_id, warm[:4]) == [make_chunk(j) for j in range(4)]
+            assert arena.load(ns_id, warm[:4]) == [make_chunk(j, CHUNK) for j in range(4)]
 
         for seed in range(6):
             traffic.run(f"loader{seed}", loader(seed))
@@ -179,7 +180,7 @@ def _store(server: ServerProc, first: int, num: int) -> list[bytes]:
     hashes = hashes_for(first * 256, num)
     with CacheClient(server.socket, timeout_s=30) as c:
         ns_id = c.register_namespace(NS)
-        assert c.store(ns_id, hashes, [make_chunk(first + i) for i in range(num)]) == num
+        assert c.store(ns_id, hashes, [make_chunk(first + i, CHUNK) for i in range(num)]) == num
     return hashes
 
 
@@ -193,9 +194,9 @@ def _outage_traffic(server: ServerProc, warm: list[bytes], arena: Traffic, probe
     ns_id = client.register_namespace(NS)
 
     def arena_work(i: int) -> None:
-        assert client.load(ns_id, warm) == [make_chunk(j) for j in range(len(warm))]
+        assert client.load(ns_id, warm) == [make_chunk(j, CHUNK) for j in range(len(warm))]
         new = hashes_for(50_000_000 + i * 256, 1)
-        assert client.store(ns_id, new, [make_chunk(i)]) == 1
+        assert client.store(ns_id, new, [make_chunk(i, CHUNK)]) == 1
 
     def lookup_miss(i: int) -> None:
         assert client.lookup(ns_id, hashes_for(90_000_000 + i * 256, 1)).num_hit_chunks == 0
@@ -294,7 +295,7 @@ def test_chunks_only_in_a_tier_marked_down_are_misses(
         with CacheClient(server.socket, timeout_s=30) as c:
             ns_id = c.register_namespace(NS)
             for i, h in enumerate(hashes):
-                assert c.store(ns_id, [h], [make_chunk(i)]) == 1
+                assert c.store(ns_id, [h], [make_chunk(i, CHUNK)]) == 1
             assert c.lookup(ns_id, hashes[:1]).tiers == ["redis"]
             redis.stop()
             assert c.lookup(ns_id, hashes_for(80_000_000, 1)).num_hit_chunks == 0  # trips it

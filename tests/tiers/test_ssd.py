@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import errno
-import hashlib
 import logging
 import mmap
 import os
@@ -21,17 +20,10 @@ from lmcache_svc.keys import ChunkKey
 from lmcache_svc.tiers import ssd
 from lmcache_svc.tiers.base import Failed
 from lmcache_svc.tiers.ssd import BLOCK, SsdTier
+from tests.helpers import make_chunk, make_key
 
 MiB = 1 << 20
-
-
-def make_key(i: int) -> ChunkKey:
-    return ChunkKey(hashlib.sha384(f"chunk-{i}".encode()).digest())
-
-
-def make_chunk(i: int, nbytes: int = 1000) -> bytes:
-    block = hashlib.sha256(f"payload-{i}".encode()).digest()
-    return (block * (nbytes // len(block) + 1))[:nbytes]
+CHUNK = 1000  # bytes: not a multiple of the 4 KiB block
 
 
 def chunk_path(root: Path, key: ChunkKey) -> Path:
@@ -99,17 +91,17 @@ def test_delete_frees_bytes(tmp_path: Path) -> None:
 
 def test_put_refuses_what_does_not_fit_and_writes_nothing(tmp_path: Path) -> None:
     tier = SsdTier(tmp_path, 2 * (BLOCK + 1000))
-    assert tier.put(make_key(1), make_chunk(1))
-    assert tier.put(make_key(2), make_chunk(2))
+    assert tier.put(make_key(1), make_chunk(1, CHUNK))
+    assert tier.put(make_key(2), make_chunk(2, CHUNK))
 
-    assert not tier.put(make_key(3), make_chunk(3))
+    assert not tier.put(make_key(3), make_chunk(3, CHUNK))
     assert not tier.put(make_key(1), make_chunk(1, 1001))  # replacing, but bigger
 
     assert tier.used_bytes == tier.capacity_bytes
     assert files_on_disk(tmp_path) == sorted(chunk_path(tmp_path, make_key(i)) for i in (1, 2))
-    assert read(tier, make_key(1)) == make_chunk(1)
-    assert tier.put(make_key(1), make_chunk(9))  # same size replaces in place
-    assert read(tier, make_key(1)) == make_chunk(9)
+    assert read(tier, make_key(1)) == make_chunk(1, CHUNK)
+    assert tier.put(make_key(1), make_chunk(9, CHUNK))  # same size replaces in place
+    assert read(tier, make_key(1)) == make_chunk(9, CHUNK)
 
 
 def test_capacity_never_exceeded_under_concurrent_puts(tmp_path: Path) -> None:
@@ -173,7 +165,7 @@ def test_restart_sees_chunks_in_mtime_order(tmp_path: Path) -> None:
 def test_read_makes_chunk_most_recent(tmp_path: Path) -> None:
     tier = SsdTier(tmp_path, MiB)
     for i in range(3):
-        tier.put(make_key(i), make_chunk(i))
+        tier.put(make_key(i), make_chunk(i, CHUNK))
 
     read(tier, make_key(0))
 
@@ -183,7 +175,7 @@ def test_read_makes_chunk_most_recent(tmp_path: Path) -> None:
 def test_restart_trims_to_a_smaller_capacity_oldest_first(tmp_path: Path) -> None:
     tier = SsdTier(tmp_path, MiB)
     for i in range(3):
-        tier.put(make_key(i), make_chunk(i))
+        tier.put(make_key(i), make_chunk(i, CHUNK))
         stamp = 1_700_000_000_000_000_000 + i * 1_000_000_000
         os.utime(chunk_path(tmp_path, make_key(i)), ns=(stamp, stamp))
 
@@ -196,7 +188,7 @@ def test_restart_trims_to_a_smaller_capacity_oldest_first(tmp_path: Path) -> Non
 def test_corrupted_payload_byte_raises_and_drops_the_file(tmp_path: Path) -> None:
     tier = SsdTier(tmp_path, MiB)
     key = make_key(1)
-    tier.put(key, make_chunk(1))
+    tier.put(key, make_chunk(1, CHUNK))
     path = chunk_path(tmp_path, key)
     with open(path, "r+b") as f:
         f.seek(BLOCK + 5)
@@ -215,7 +207,7 @@ def test_corrupted_payload_byte_raises_and_drops_the_file(tmp_path: Path) -> Non
 def test_bad_files_are_dropped_at_restart(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     tier = SsdTier(tmp_path, MiB)
     for i in range(5):
-        tier.put(make_key(i), make_chunk(i))
+        tier.put(make_key(i), make_chunk(i, CHUNK))
     paths = [chunk_path(tmp_path, make_key(i)) for i in range(5)]
     os.truncate(paths[1], BLOCK + 10)  # truncated payload
     os.truncate(paths[2], 20)  # truncated header
@@ -243,7 +235,7 @@ def test_tmp_leftovers_are_removed_at_start(tmp_path: Path) -> None:
 
 def test_size_mismatch_is_invalid_argument(tmp_path: Path) -> None:
     tier = SsdTier(tmp_path, MiB)
-    tier.put(make_key(1), make_chunk(1))
+    tier.put(make_key(1), make_chunk(1, CHUNK))
 
     with pytest.raises(InvalidArgument, match="999 bytes"):
         tier.read_into(make_key(1), memoryview(bytearray(999)))
@@ -269,7 +261,7 @@ def test_typed_buffers_are_stored_as_their_bytes(tmp_path: Path) -> None:
 
 def test_vanished_file_reads_as_a_miss(tmp_path: Path) -> None:
     tier = SsdTier(tmp_path, MiB)
-    tier.put(make_key(1), make_chunk(1))
+    tier.put(make_key(1), make_chunk(1, CHUNK))
     chunk_path(tmp_path, make_key(1)).unlink()
 
     assert not tier.read_into(make_key(1), memoryview(bytearray(1000)))
@@ -280,7 +272,7 @@ def test_vanished_file_reads_as_a_miss(tmp_path: Path) -> None:
 
 def test_os_error_on_read_is_a_tier_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     tier = SsdTier(tmp_path, MiB)
-    tier.put(make_key(1), make_chunk(1))
+    tier.put(make_key(1), make_chunk(1, CHUNK))
 
     def failing_open(path: str, flags: int, mode: int = 0o777) -> int:
         raise OSError(errno.EIO, os.strerror(errno.EIO), path)
@@ -302,7 +294,7 @@ def test_failed_write_releases_its_reservation(
 
     monkeypatch.setattr(ssd.os, "pwritev", failing_pwritev)
     with pytest.raises(TierError, match="No space left"):
-        tier.put(make_key(1), make_chunk(1))
+        tier.put(make_key(1), make_chunk(1, CHUNK))
 
     assert tier.used_bytes == 0
     assert tier.num_chunks == 0
@@ -313,7 +305,9 @@ def test_batches_keep_input_order_and_per_chunk_failures(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     tier = SsdTier(tmp_path, 4 * (BLOCK + 1000))
-    assert tier.put_many([(make_key(i), make_chunk(i)) for i in range(5)]) == [True] * 4 + [False]
+    assert tier.put_many([(make_key(i), make_chunk(i, CHUNK)) for i in range(5)]) == [True] * 4 + [
+        False
+    ]
     corrupt_path = chunk_path(tmp_path, make_key(1))
     os.truncate(corrupt_path, BLOCK + 10)
     real_open, failing_path = os.open, str(chunk_path(tmp_path, make_key(2)))
@@ -333,7 +327,7 @@ def test_batches_keep_input_order_and_per_chunk_failures(
     assert got[2] is False  # absent (beyond capacity, never stored)
     assert isinstance(got[1], Failed) and isinstance(got[1].error, Corrupted)  # dropped
     assert isinstance(got[3], Failed) and not isinstance(got[3].error, Corrupted)  # kept
-    assert (bytes(outs[0]), bytes(outs[4])) == (make_chunk(3), make_chunk(0))
+    assert (bytes(outs[0]), bytes(outs[4])) == (make_chunk(3, CHUNK), make_chunk(0, CHUNK))
     assert not corrupt_path.exists() and tier.size_of(make_key(1)) is None
     assert tier.size_of(make_key(2)) == 1000  # an I/O error drops nothing
     assert sum("read of" in r.message for r in caplog.records) == 2
@@ -352,7 +346,7 @@ def test_put_many_failed_write_releases_only_its_reservation(
         return real_pwritev(fd, bufs, offset)
 
     monkeypatch.setattr(ssd.os, "pwritev", pwritev_failing_second)
-    got = tier.put_many([(make_key(i), make_chunk(i)) for i in range(3)])
+    got = tier.put_many([(make_key(i), make_chunk(i, CHUNK)) for i in range(3)])
 
     assert [r is True for r in got].count(True) == 2
     (failed,) = [r for r in got if r is not True]
@@ -363,20 +357,24 @@ def test_put_many_failed_write_releases_only_its_reservation(
 
 def test_put_many_reports_an_overwrite_whose_old_file_cannot_be_removed(tmp_path: Path) -> None:
     tier = SsdTier(tmp_path, MiB)
-    assert tier.put(make_key(1), make_chunk(1))
+    assert tier.put(make_key(1), make_chunk(1, CHUNK))
     old = chunk_path(tmp_path, make_key(1))
     old.unlink()
     (old / "stuck").mkdir(parents=True)  # a directory where the old file was: unlink fails
-    got = tier.put_many([(make_key(1), make_chunk(2)), (make_key(2), make_chunk(2))])
+    got = tier.put_many([(make_key(1), make_chunk(2, CHUNK)), (make_key(2), make_chunk(2, CHUNK))])
 
     assert isinstance(got[0], Failed) and "removing" in str(got[0].error) and got[1] is True
-    assert read(tier, make_key(2)) == make_chunk(2)
+    assert read(tier, make_key(2)) == make_chunk(2, CHUNK)
     assert tier.used_bytes == 2 * (BLOCK + 1000)  # the old chunk is still indexed and counted
 
 
 def test_put_many_with_a_repeated_key_keeps_the_last(tmp_path: Path) -> None:
     tier = SsdTier(tmp_path, MiB)
-    items = [(make_key(1), make_chunk(1)), (make_key(2), make_chunk(2)), (make_key(1), b"new")]
+    items = [
+        (make_key(1), make_chunk(1, CHUNK)),
+        (make_key(2), make_chunk(2, CHUNK)),
+        (make_key(1), b"new"),
+    ]
 
     assert tier.put_many(items) == [True, True, True]
 
@@ -386,20 +384,20 @@ def test_put_many_with_a_repeated_key_keeps_the_last(tmp_path: Path) -> None:
 
 def test_batches_still_work_after_close(tmp_path: Path) -> None:
     tier = SsdTier(tmp_path, MiB)
-    assert tier.put_many([(make_key(i), make_chunk(i)) for i in range(3)]) == [True] * 3
+    assert tier.put_many([(make_key(i), make_chunk(i, CHUNK)) for i in range(3)]) == [True] * 3
 
     tier.close()
     tier.close()
 
     outs = [bytearray(1000) for _ in range(3)]
     assert tier.read_many_into([(make_key(i), memoryview(outs[i])) for i in range(3)]) == [True] * 3
-    assert [bytes(o) for o in outs] == [make_chunk(i) for i in range(3)]
+    assert [bytes(o) for o in outs] == [make_chunk(i, CHUNK) for i in range(3)]
 
 
 def test_fsync_always_round_trip(tmp_path: Path) -> None:
     tier = SsdTier(tmp_path, MiB, fsync="always")
-    assert tier.put(make_key(1), make_chunk(1))
-    assert read(SsdTier(tmp_path, MiB, fsync="always"), make_key(1)) == make_chunk(1)
+    assert tier.put(make_key(1), make_chunk(1, CHUNK))
+    assert read(SsdTier(tmp_path, MiB, fsync="always"), make_key(1)) == make_chunk(1, CHUNK)
 
 
 @pytest.mark.parametrize("make_path", ["regular file", "under a regular file"])

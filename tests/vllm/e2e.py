@@ -27,8 +27,9 @@ from lmcache_svc.client import CacheClient
 from lmcache_svc.keys import KVLayout, Namespace, chunk_hashes
 
 HERE = Path(__file__).resolve().parent
-CHUNK = 256
+CHUNK = 256  # pinned (two blocks): the tests below count hits in these chunks
 BLOCK = 128
+DEFAULT_CHUNK = 128  # the plugin's default on the CPU backend: vLLM's block size
 PROMPT_LEN = 700  # two full chunks + a tail: the chunk-aligned hit is 512 tokens
 MAX_TOKENS = 8
 # The tiny model's logits are bf16: its logprobs move in steps of 1/64 (measured), and the
@@ -44,7 +45,7 @@ EXT_SOURCE = "vllm:prompt_tokens_by_source{source=external_kv_transfer}"
 SEEDS = {
     "cross": 1, "base": 2, "donor": 4, "corrupt": 5, "isolated": 6,
     "fault_between": 7, "fault_load": 8, "after_restart": 9,
-    "async": 10, "async_fault": 11,
+    "async": 10, "async_fault": 11, "default_chunk": 12,
     "load_kill_0": 20, "load_kill_1": 21, "load_kill_2": 22,
     "load_stop_0": 30, "load_stop_1": 31, "load_stop_2": 32,
 }  # fmt: skip
@@ -125,7 +126,10 @@ class Env:
         return self.picked.expected[tuple(prompt)]
 
     def plugin_config(self, **extra: Any) -> dict[str, Any]:
-        return kv_transfer_config(self.server.socket, retry_interval_s=0.2, **extra)
+        """The shared engines' plugin config (``CHUNK``-token chunks), with ``extra``."""
+        return kv_transfer_config(
+            self.server.socket, retry_interval_s=0.2, **{"chunk_size": CHUNK, **extra}
+        )
 
 
 def start_env(tmp: Path) -> Iterator[Env]:
@@ -140,7 +144,7 @@ def start_env(tmp: Path) -> Iterator[Env]:
         picked = pick_prompts(ref)
         ref.close()
         kill_file = tmp / "kill-server.pid"
-        config = kv_transfer_config(server.socket, retry_interval_s=0.2)
+        config = kv_transfer_config(server.socket, retry_interval_s=0.2, chunk_size=CHUNK)
         a = EngineProc.start("a", model_dir, tmp, kv_config=config)
         engines.append(a)
         b_config = {**config, "kv_connector": "FaultInjectingConnector"}
@@ -167,7 +171,9 @@ def run(engine: EngineProc, prompt: list[int]) -> dict[str, Any]:
     return engine.generate([prompt], MAX_TOKENS)[0]
 
 
-def tiny_model_namespace(model_dir: Path, tenant: str = "default") -> Namespace:
+def tiny_model_namespace(
+    model_dir: Path, tenant: str = "default", chunk_size: int = CHUNK
+) -> Namespace:
     layout = KVLayout(
         dtype="bfloat16",
         num_layers=4,
@@ -176,20 +182,26 @@ def tiny_model_namespace(model_dir: Path, tenant: str = "default") -> Namespace:
         block_size=BLOCK,
         page_layout="vllm-cpu/BHNC",
     )
-    return Namespace(model=str(model_dir), layout=layout, chunk_size=CHUNK, tenant=tenant)
+    return Namespace(model=str(model_dir), layout=layout, chunk_size=chunk_size, tenant=tenant)
 
 
 def wait_stored(
-    env: Env, prompts: list[list[int]], timeout_s: float = 10, *, server: ServerProc | None = None
+    env: Env,
+    prompts: list[list[int]],
+    timeout_s: float = 10,
+    *,
+    server: ServerProc | None = None,
+    chunk_size: int = CHUNK,
 ) -> None:
     """Saves are committed in the background: wait until the server (default: the shared
-    one) has the chunks."""
-    namespace = tiny_model_namespace(env.model_dir)
+    one) has every full chunk of the prompts."""
+    namespace = tiny_model_namespace(env.model_dir, chunk_size=chunk_size)
     with CacheClient((server or env.server).socket, timeout_s=5) as client:
         ns_id = client.register_namespace(namespace)
         deadline = time.monotonic() + timeout_s
         for prompt in prompts:
-            while client.lookup(ns_id, chunk_hashes(namespace, prompt)).num_hit_chunks < 2:
+            num_full = len(prompt) // chunk_size
+            while client.lookup(ns_id, chunk_hashes(namespace, prompt)).num_hit_chunks < num_full:
                 assert time.monotonic() < deadline, "chunks were not committed in time"
                 time.sleep(0.05)
 

@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import pytest
-from lmcache_svc_vllm.config import ConnectorConfig, parse_config
+from lmcache_svc_vllm.config import ConnectorConfig, default_chunk_size, parse_config
 
+from lmcache_svc.bench.vllm_common import BLOCK_SIZE
+from lmcache_svc.bench.vllm_ttft import PLUGIN_DEFAULT_CHUNK
 from lmcache_svc.errors import ConfigError
 
 
 def test_defaults() -> None:
     config = parse_config({})
     assert config == ConnectorConfig()
-    assert (config.chunk_size, config.tenant, config.load_mode) == (256, "default", "auto")
+    assert (config.chunk_size, config.tenant, config.load_mode) == (None, "default", "auto")
+    assert parse_config({"chunk_size": None}) == config  # null: the default too
 
 
 def test_all_keys_parse() -> None:
@@ -61,6 +64,35 @@ def test_chunk_size_must_fit_the_block_size() -> None:
     parse_config({"chunk_size": 256}).check_block_size(128)
     with pytest.raises(ConfigError, match="multiple of vLLM's block size 128"):
         parse_config({"chunk_size": 192}).check_block_size(128)
+    with pytest.raises(ConfigError, match="chunk_size 200 must be a multiple of .* size 16"):
+        parse_config({"chunk_size": 200}).for_block_size(16)
+
+
+@pytest.mark.parametrize(
+    ("block_size", "chunk_size"),
+    [(1, 128), (16, 128), (32, 128), (48, 144), (100, 200), (128, 128), (256, 256), (512, 512)],
+)
+def test_default_chunk_is_the_smallest_block_multiple_of_128_tokens(
+    block_size: int, chunk_size: int
+) -> None:
+    assert default_chunk_size(block_size) == chunk_size
+    resolved = parse_config({}).for_block_size(block_size)
+    assert resolved.chunk_size == resolved.resolved_chunk_size() == chunk_size
+
+
+def test_benchmarks_know_the_default() -> None:
+    """``bench ttft`` (which cannot import the plugin) counts (b)'s chunks with its own copy."""
+    assert default_chunk_size(BLOCK_SIZE) == PLUGIN_DEFAULT_CHUNK
+
+
+def test_a_configured_chunk_size_is_kept() -> None:
+    config = parse_config({"chunk_size": 512})
+    assert config.for_block_size(16).resolved_chunk_size() == 512
+    assert config.for_block_size(128) == config
+    with pytest.raises(ConfigError, match="not resolved"):
+        parse_config({}).resolved_chunk_size()
+    with pytest.raises(ConfigError, match="block size must be >= 1"):
+        default_chunk_size(0)
 
 
 def test_auth_token_falls_back_to_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:

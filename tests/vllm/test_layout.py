@@ -23,6 +23,8 @@ from lmcache_svc_vllm.layout import (
     page_view,
 )
 
+from tests.cuda_marks import requires_cuda
+
 B, H, N, C = 6, 2, 4, 8  # blocks, KV heads, tokens per block, K+V contents
 
 
@@ -142,7 +144,7 @@ def test_wrong_size_buffer_is_refused() -> None:
         pages.chunk_tensor(memoryview(bytearray(pages.geometry.chunk_bytes - 1)))
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@requires_cuda
 def test_cuda_round_trip_stages_through_host() -> None:
     src, _ = make_pages("BNHC", device="cuda")
     dst, dst_physical = make_pages("BNHC", device="cuda")

@@ -22,7 +22,9 @@ from lmcache_svc.bench.vllm.engines import EngineProc, delta, kv_transfer_config
 from lmcache_svc.client import CacheClient
 from lmcache_svc.keys import chunk_hashes
 from tests.vllm.e2e import (
+    BLOCK,
     CHUNK,
+    DEFAULT_CHUNK,
     EXT_HITS,
     EXT_SOURCE,
     HERE,
@@ -53,6 +55,32 @@ def test_fresh_engine_loads_prefix_from_sidecar(env: Env) -> None:
     assert delta(after, before, "vllm:lmcache_svc_load_chunks") == 2
     assert delta(after, before, "vllm:lmcache_svc_load_bytes") == 2 * 512 * 1024
     assert delta(after, before, "vllm:lmcache_svc_load_failed_blocks") == 0
+
+
+def test_default_chunk_hit_covers_what_vllm_own_cache_covers(env: Env) -> None:
+    """With no chunk settings the chunk is derived from the engine's block size (on the CPU
+    backend the block itself), so a sidecar hit serves as many tokens as vLLM's own prefix
+    cache: for a 700-token prompt, 5 whole 128-token blocks."""
+    prompt = env.prompt("default_chunk")
+    config = kv_transfer_config(env.server.socket, retry_interval_s=0.2)  # no chunk_size
+    engine = EngineProc.start("default-chunk", env.model_dir, env.tmp, kv_config=config)
+    try:
+        computed = run(engine, prompt)
+        own_cache = run(engine, prompt)  # vLLM's own prefix-cache hit
+        wait_stored(env, [prompt], chunk_size=DEFAULT_CHUNK)
+        engine.reset_prefix_cache()  # so the next hit can only come from the sidecar
+        before = engine.metrics()
+        loaded = run(engine, prompt)
+        after = engine.metrics()
+    finally:
+        engine.close()
+    assert DEFAULT_CHUNK == BLOCK
+    assert computed["num_cached_tokens"] == 0
+    assert own_cache["num_cached_tokens"] == (len(prompt) - 1) // BLOCK * BLOCK == 640
+    assert loaded["num_cached_tokens"] == own_cache["num_cached_tokens"]
+    assert delta(after, before, EXT_HITS) == 640
+    assert delta(after, before, "vllm:lmcache_svc_load_chunks") == 640 // DEFAULT_CHUNK
+    assert loaded["token_ids"] == own_cache["token_ids"] == env.expected(prompt)
 
 
 def test_only_shared_chunks_hit(env: Env) -> None:
@@ -117,6 +145,7 @@ def test_async_load_path(env: Env) -> None:
         module="fault_connector",
         load_mode="async",
         retry_interval_s=0.2,
+        chunk_size=CHUNK,
     )
     engine = EngineProc.start(
         "async",

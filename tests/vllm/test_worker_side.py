@@ -41,7 +41,9 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProc]:
     proc.cleanup()
 
 
-def make_worker(url: str, use_shm: bool, seed: int) -> tuple[WorkerSide, list[torch.Tensor]]:
+def make_worker(
+    url: str, use_shm: bool, seed: int, layerwise: bool | None = None
+) -> tuple[WorkerSide, list[torch.Tensor]]:
     config = ConnectorConfig(url=url, chunk_size=CHUNK, use_shm=use_shm)
     worker = WorkerSide(
         NAMESPACE,
@@ -49,6 +51,7 @@ def make_worker(url: str, use_shm: bool, seed: int) -> tuple[WorkerSide, list[to
         StatsRecorder(),
         num_blocks=NUM_BLOCKS,
         page_order="BHNC",
+        layerwise=layerwise,
     )
     gen = torch.Generator().manual_seed(seed)
     layers = [
@@ -90,6 +93,37 @@ def test_saved_chunks_load_into_other_blocks(server: ServerProc, use_shm: bool) 
     assert dst.take_load_errors() == set()
     for s, d in zip(src_layers, dst_layers):
         assert torch.equal(d[7], s[4]) and torch.equal(d[5], s[9]) and torch.equal(d[6], s[2])
+    src.shutdown()
+    dst.shutdown()
+
+
+def test_layerwise_saves_and_waits_round_trip(server: ServerProc) -> None:
+    # CUDA's per-layer flow, run synchronously on the CPU: layer 0 is saved as soon as it
+    # "ran" (the reservation is there), wait_for_save saves the other layers only
+    clear_server(server)
+    src, src_layers = make_worker(server.socket, True, seed=5, layerwise=True)
+    save = StepPlan(saves=[SavePlan("r1", (HASHES[:2],), (3, 4, 9, 2))])
+    src.bind(save)
+    assert src._reservation is not None
+    src._reservation.result(timeout=10)
+    src.save_layer("model.layers.0.attn")
+    saved_page = src_layers[0][3].clone()
+    src_layers[0][3].zero_()  # written after its layer was saved: must not reach the server
+    src.save_layer("not.a.layer")  # ignored
+    src.wait_for_save(save)
+    wait_stored(server, 2)
+
+    dst, dst_layers = make_worker(server.socket, True, seed=6, layerwise=True)
+    load = StepPlan(loads=[LoadPlan("r2", (HASHES[:2],), 0, (0, 7, 5, 6), is_async=False)])
+    dst.bind(load)
+    dst.start_load(load)
+    for i in range(LAYERS):
+        dst.wait_for_layer(f"model.layers.{i}.attn")
+    assert dst.take_load_errors() == set()
+    assert torch.equal(dst_layers[0][0], saved_page) and saved_page.any()
+    for s, d in zip(src_layers, dst_layers):
+        assert torch.equal(d[7], s[4]) and torch.equal(d[5], s[9]) and torch.equal(d[6], s[2])
+    assert torch.equal(dst_layers[1][0], src_layers[1][3])
     src.shutdown()
     dst.shutdown()
 

@@ -8,13 +8,23 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Any, Literal, get_args
 
 from lmcache_svc.errors import ConfigError
 
 LoadMode = Literal["auto", "sync", "async"]
 AUTH_TOKEN_ENV = "LMCACHE_SVC_AUTH_TOKEN"
+MIN_DEFAULT_CHUNK_TOKENS = 128
+"""The default chunk is the smallest multiple of vLLM's block size with at least this many
+tokens: vLLM's block itself on the CPU backend (128), 8 blocks under CUDA's 16."""
+
+
+def default_chunk_size(block_size: int) -> int:
+    """The chunk size used when ``chunk_size`` is not configured, for a given block size."""
+    if block_size < 1:
+        raise ConfigError(f"vLLM's block size must be >= 1, got {block_size!r}")
+    return -(-MIN_DEFAULT_CHUNK_TOKENS // block_size) * block_size
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,8 +38,10 @@ class ConnectorConfig:
     """Isolation label hashed into every key; engines of different tenants never share."""
     model_id: str | None = None
     """Name of the model in the key namespace. Default: vLLM's ``--model`` value."""
-    chunk_size: int = 256
-    """Tokens per stored chunk; a multiple of vLLM's block size."""
+    chunk_size: int | None = None
+    """Tokens per stored chunk; a multiple of vLLM's block size. Default (``None``): the
+    smallest multiple of the block size of at least 128 tokens (``default_chunk_size``),
+    resolved by ``for_block_size`` once the engine's block size is known."""
     lookup_timeout_ms: float = 100.0
     """Deadline of the scheduler's lookup; a slower answer counts as a miss."""
     lookup_wait_ms: float = 5.0
@@ -48,6 +60,10 @@ class ConnectorConfig:
     use_shm: bool = True
     """Move bytes through the server's shared segment when it is mapped here; ``false``
     (or another host) streams them inline over gRPC instead."""
+    local_lookup: bool = True
+    """Answer the scheduler's lookups from the server's shared-memory index when it is
+    mapped here (same host, ``use_shm``), without a round trip; otherwise, or when the
+    index cannot tell (a lower tier, an overflowed table), ask the server."""
     store_pool_chunks: int = 64
     """Most shared-memory slots the worker keeps reserved ahead of its stores (it keeps as
     many as its largest store so far needed), so a store copies without waiting for a
@@ -59,7 +75,8 @@ class ConnectorConfig:
     cache that is down must not fail requests); ``true`` keeps the value you configured."""
 
     def __post_init__(self) -> None:
-        _check_positive("chunk_size", self.chunk_size)
+        if self.chunk_size is not None:
+            _check_positive("chunk_size", self.chunk_size)
         _check_positive("async_load_min_tokens", self.async_load_min_tokens)
         if self.store_pool_chunks < 0:
             raise ConfigError(f"store_pool_chunks must be >= 0, got {self.store_pool_chunks!r}")
@@ -79,11 +96,27 @@ class ConnectorConfig:
                 raise ConfigError(f"{name} must not be empty")
 
     def check_block_size(self, block_size: int) -> None:
-        if self.chunk_size % block_size:
+        """A configured ``chunk_size`` must be a whole number of vLLM's blocks."""
+        if self.chunk_size is not None and self.chunk_size % block_size:
             raise ConfigError(
                 f"chunk_size {self.chunk_size} must be a multiple of vLLM's block size "
-                f"{block_size} (set kv_connector_extra_config.chunk_size or --block-size)"
+                f"{block_size} (set kv_connector_extra_config.chunk_size to one, e.g. "
+                f"{default_chunk_size(block_size)}, leave it unset, or change --block-size)"
             )
+
+    def for_block_size(self, block_size: int) -> ConnectorConfig:
+        """This config with ``chunk_size`` resolved for the engine's block size: checked if
+        configured, else ``default_chunk_size(block_size)``."""
+        self.check_block_size(block_size)
+        if self.chunk_size is not None:
+            return self
+        return replace(self, chunk_size=default_chunk_size(block_size))
+
+    def resolved_chunk_size(self) -> int:
+        """The chunk size of a config returned by ``for_block_size``."""
+        if self.chunk_size is None:
+            raise ConfigError("chunk_size is not resolved: call for_block_size first")
+        return self.chunk_size
 
     def resolved_auth_token(self) -> str | None:
         return self.auth_token or os.environ.get(AUTH_TOKEN_ENV) or None
@@ -91,7 +124,8 @@ class ConnectorConfig:
 
 _FLOAT_FIELDS = {"lookup_timeout_ms", "lookup_wait_ms", "rpc_timeout_ms", "retry_interval_s"}
 _INT_FIELDS = {"chunk_size", "async_load_min_tokens", "store_pool_chunks"}
-_BOOL_FIELDS = {"use_shm", "keep_load_failure_policy"}
+_BOOL_FIELDS = {"use_shm", "local_lookup", "keep_load_failure_policy"}
+_OPTIONAL_FIELDS = {"chunk_size"}  # null: the default
 
 
 def parse_config(extra: Mapping[str, Any] | None) -> ConnectorConfig:
@@ -114,6 +148,8 @@ def _coerce(name: str, value: Any) -> Any:
             raise ConfigError(f"{name} must be true or false, got {value!r}")
         return value
     if name in _INT_FIELDS:
+        if name in _OPTIONAL_FIELDS and value is None:
+            return None
         if isinstance(value, bool) or not isinstance(value, int):
             raise ConfigError(f"{name} must be an integer, got {value!r}")
         return value

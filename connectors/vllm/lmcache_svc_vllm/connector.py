@@ -43,7 +43,11 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(f"vllm.{__name__}")
 
-_TIER_SOURCES = {"cpu": CacheHitSource.HOST, "ssd": CacheHitSource.DISK}
+_MEDIUM_SOURCES = {  # a server tier's medium (lookup answers) -> vLLM's hit source
+    "host_memory": CacheHitSource.HOST,
+    "device": CacheHitSource.DEVICE,
+    "disk": CacheHitSource.DISK,
+}
 
 
 @dataclass
@@ -69,6 +73,8 @@ class LMCacheSvcConnector(KVConnectorBase_V1):
         except UnsupportedEngine as e:
             logger.error("lmcache-svc plugin disabled: %s", e)
             return
+        # The chunk size now that the block size is known (default: from the block size).
+        self._config = self._config.for_block_size(engine.block_size)
         if role == KVConnectorRole.SCHEDULER:
             self._scheduler = self._make_scheduler(engine)
             self._set_load_failure_policy()
@@ -85,7 +91,7 @@ class LMCacheSvcConnector(KVConnectorBase_V1):
             namespaces[0].namespace_id.hex(),
             engine.model_id,
             self._config.tenant,
-            self._config.chunk_size,
+            namespaces[0].chunk_size,
             namespaces[0].chunk_bytes,
         )
         kv_config = self._kv_transfer_config
@@ -143,12 +149,14 @@ class LMCacheSvcConnector(KVConnectorBase_V1):
             self._worker.start_load(self._plan())
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return
+        if self._worker is not None:
+            self._worker.wait_for_layer(layer_name)
 
     def save_kv_layer(
         self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
     ) -> None:
-        return
+        if self._worker is not None and self.has_connector_metadata():
+            self._worker.save_layer(layer_name)
 
     def wait_for_save(self) -> None:
         if self._worker is not None and self.has_connector_metadata():
@@ -201,8 +209,9 @@ class LMCacheSvcConnector(KVConnectorBase_V1):
         if self._scheduler is None:
             return super().get_external_cache_hit_sources(request, num_external_tokens)
         sources: dict[CacheHitSource, int] = {}
-        for tier, n in self._scheduler.hit_tiers(request.request_id, num_external_tokens).items():
-            source = _TIER_SOURCES.get(tier, CacheHitSource.EXTERNAL_UNSPECIFIED)
+        hits = self._scheduler.hit_media(request.request_id, num_external_tokens)
+        for medium, n in hits.items():
+            source = _MEDIUM_SOURCES.get(medium, CacheHitSource.EXTERNAL_UNSPECIFIED)
             sources[source] = sources.get(source, 0) + n
         return sources
 

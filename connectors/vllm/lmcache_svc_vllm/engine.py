@@ -44,10 +44,11 @@ class EngineKV:
         )
 
     def namespace(self, config: ConnectorConfig, tp_rank: int) -> Namespace:
+        """The key namespace of one rank; ``config`` must come from ``for_block_size``."""
         return Namespace(
             model=self.model_id,
             layout=self.layout(),
-            chunk_size=config.chunk_size,
+            chunk_size=config.resolved_chunk_size(),
             tp_rank=tp_rank,
             tp_size=self.tp_size,
             tenant=config.tenant,
@@ -61,7 +62,8 @@ class EngineKV:
 def describe_engine(
     vllm_config: Any, kv_cache_config: Any, config: ConnectorConfig, device_type: str
 ) -> EngineKV:
-    """Read the KV geometry; raises ``UnsupportedEngine`` naming what is not supported."""
+    """Read the KV geometry; raises ``UnsupportedEngine`` naming what is not supported, and
+    ``ConfigError`` for a configured ``chunk_size`` that is not a multiple of the block size."""
     groups = kv_cache_config.kv_cache_groups
     if len(groups) != 1:
         raise UnsupportedEngine(

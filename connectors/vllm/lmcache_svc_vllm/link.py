@@ -63,6 +63,7 @@ class ServerLink:
             client_name=client_name,
             use_shm=config.use_shm,
             auth_token=config.resolved_auth_token(),
+            local_lookup=config.local_lookup,
         )
         self._namespace_id: NamespaceId | None = None
         self._down_until = 0.0
@@ -134,8 +135,11 @@ class ServerLink:
         return time.monotonic() < self._down_until
 
     def connect(self) -> None:
-        """Register the namespace now (at start-up), so the first lookup is one call."""
+        """Register the namespace now (at start-up), so the first lookup is one call; with
+        ``local_lookup``, also open the session that maps the server's lookup index."""
         self._guarded("register_namespace", lambda ns: ns)
+        if self.config.local_lookup:
+            self._use_shm()
 
     def warm_up(self) -> None:
         """Worker start-up: register, open the session and map the shared segment now,

@@ -52,7 +52,7 @@ class RequestState:
     started: float = 0.0
     hashes: Hashes = ((),)
     num_hit_chunks: int = 0  # leading chunks the server held at lookup (0 if unknown)
-    tiers: list[str] = field(default_factory=list)
+    media: list[str] = field(default_factory=list)  # where each hit chunk is (Tier.medium)
     num_saved_chunks: int = 0  # chunks [0, n) are stored or being stored
     load_start: int = 0  # first token of the pending load (vLLM's local hit)
     load_async: bool = False
@@ -77,7 +77,9 @@ class SchedulerSide:
         self.load_enabled, self.save_enabled = load, save
         self.namespaces = list(namespaces)
         self.block_size = block_size
-        self.blocks_per_chunk = config.chunk_size // block_size
+        # The namespaces carry the resolved chunk size (the config's may be unset: default).
+        self.chunk_size = self.namespaces[0].chunk_size
+        self.blocks_per_chunk = self.chunk_size // block_size
         self.link = link
         self.stats = stats
         self._requests: dict[str, RequestState] = {}
@@ -103,7 +105,7 @@ class SchedulerSide:
             return None, False  # vLLM asks again next step
         if not self.load_enabled:
             return 0, False
-        chunk = self.config.chunk_size
+        chunk = self.chunk_size
         cap = (state.num_prompt_tokens - 1) // chunk * chunk
         hit_tokens = min(state.num_hit_chunks * chunk, cap)
         num_external = hit_tokens - num_computed_tokens
@@ -118,7 +120,7 @@ class SchedulerSide:
         if token_ids is None:
             return None
         state = RequestState(len(token_ids), started=time.monotonic())
-        if len(token_ids) >= self.config.chunk_size:
+        if len(token_ids) >= self.chunk_size:
             state.pending = self._lookups.submit(self._lookup, token_ids)
         return state
 
@@ -149,14 +151,14 @@ class SchedulerSide:
 
     def _apply(self, state: RequestState, answer: LookupAnswer) -> None:
         state.hashes = answer.hashes
-        chunk = self.config.chunk_size
+        chunk = self.chunk_size
         self.stats.time("lookup_seconds", answer.seconds)
         self.stats.add(lookups=1, lookup_query_tokens=len(answer.hashes[0]) * chunk)
         if answer.result is None:
             self.stats.add(lookup_failures=1)
             return
         state.num_hit_chunks = answer.result.num_hit_chunks
-        state.tiers = list(answer.result.tiers)
+        state.media = list(answer.result.media)
         state.num_saved_chunks = state.num_hit_chunks
         self.stats.add(lookup_hit_tokens=state.num_hit_chunks * chunk)
 
@@ -166,18 +168,19 @@ class SchedulerSide:
             return num_tokens >= self.config.async_load_min_tokens and self._num_running > 0
         return mode == "async"
 
-    def hit_tiers(self, request_id: str, num_external_tokens: int) -> dict[str, int]:
-        """Tokens of the external hit per server tier (for vLLM's by-source counters)."""
+    def hit_media(self, request_id: str, num_external_tokens: int) -> dict[str, int]:
+        """Tokens of the external hit per medium of the server's tier that held them (for
+        vLLM's by-source counters); "" for tokens whose medium is unknown."""
         state = self._requests.get(request_id)
         if state is None or num_external_tokens <= 0:
             return {}
-        chunk = self.config.chunk_size
+        chunk = self.chunk_size
         end = state.load_start + num_external_tokens
         counts: dict[str, int] = {}
         for i in range(state.load_start // chunk, -(-end // chunk)):
-            tier = state.tiers[i] if i < len(state.tiers) else ""
+            medium = state.media[i] if i < len(state.media) else ""
             lo, hi = max(i * chunk, state.load_start), min((i + 1) * chunk, end)
-            counts[tier] = counts.get(tier, 0) + hi - lo
+            counts[medium] = counts.get(medium, 0) + hi - lo
         return counts
 
     # -- plans ---------------------------------------------------------------------------
@@ -189,7 +192,7 @@ class SchedulerSide:
         if state is None or num_external_tokens <= 0:
             return
         start, end = state.load_start, state.load_start + num_external_tokens
-        chunk, bs = self.config.chunk_size, self.block_size
+        chunk, bs = self.chunk_size, self.block_size
         first_chunk, last_chunk = start // chunk, -(-end // chunk)
         plan = LoadPlan(
             req_id=request.request_id,
@@ -219,7 +222,7 @@ class SchedulerSide:
         state = self._requests.get(req_id)
         if state is None or not self.save_enabled:
             return None
-        num_full = min(num_tokens_after, state.num_prompt_tokens) // self.config.chunk_size
+        num_full = min(num_tokens_after, state.num_prompt_tokens) // self.chunk_size
         num_full = min(num_full, len(state.hashes[0]))  # no hashes if the lookup was lost
         start = state.num_saved_chunks
         if num_full <= start:

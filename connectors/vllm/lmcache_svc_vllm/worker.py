@@ -11,6 +11,13 @@ Saves: the slot reservation (``prepare_store``) is requested when the step's pla
 so it overlaps the forward pass; after the forward, the completed chunks' pages are copied
 into the reserved slots and the commit is handed to a background thread. The step waits
 only for the copy (and for a reservation that is slower than the forward pass).
+
+Copies go through a ``PageMover`` (``mover.py``): per layer, one gather or scatter per
+request. On CUDA they run on a dedicated stream with one event per layer: the forward pass
+waits (on the device) only for the layer it is about to run (``wait_for_layer_load``), a
+layer's save is enqueued as soon as that layer ran (``save_layer``) once the reservation is
+there, and the mapped segment is page-locked in the background (``pinning.py``). On the CPU
+every copy is synchronous, as before.
 """
 
 from __future__ import annotations
@@ -24,10 +31,13 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
 from lmcache_svc.keys import Namespace
-from lmcache_svc_vllm.layout import KVPages, UnsupportedLayout
+from lmcache_svc_vllm.layout import KVPages, UnsupportedLayout, layer_sort_key
 from lmcache_svc_vllm.link import Reservation, ServerLink
 from lmcache_svc_vllm.metadata import LoadPlan, SavePlan, StepPlan
+from lmcache_svc_vllm.mover import ChunkLoad, ChunkSave, LayerEvents, PageMover
+from lmcache_svc_vllm.pinning import HostPinner, cuda_host_registrar
 from lmcache_svc_vllm.stats import StatsRecorder
+from lmcache_svc_vllm.streams import copy_stream_for
 
 logger = logging.getLogger(f"vllm.{__name__}")
 
@@ -41,7 +51,9 @@ class WorkerSide:
         *,
         num_blocks: int,
         page_order: str,
+        layerwise: bool | None = None,
     ) -> None:
+        """``layerwise``: per-layer load waits and saves (default: on CUDA only)."""
         self.namespace = namespace
         self.tp_rank = namespace.tp_rank
         self.link = link
@@ -50,6 +62,15 @@ class WorkerSide:
         self._num_blocks = num_blocks
         self._page_order = page_order
         self._pages: KVPages | None = None
+        self._mover: PageMover | None = None
+        self._layer_ids: dict[str, int] = {}
+        self._layerwise_choice = layerwise
+        self._layerwise = False
+        self._pinner: HostPinner | None = None
+        self._step_loads: list[LayerEvents] = []
+        self._step_plan: StepPlan | None = None
+        self._step_saves: list[ChunkSave] | None = None
+        self._saved_layers: set[int] = set()
         self._io = ThreadPoolExecutor(1, thread_name_prefix="lmcache-svc-io")
         self._loader = ThreadPoolExecutor(1, thread_name_prefix="lmcache-svc-load")
         self._reservation: Future[Reservation | None] | None = None
@@ -79,6 +100,12 @@ class WorkerSide:
             )
             return
         self._pages = pages
+        self._mover = PageMover(pages, copy_stream_for(pages.device))
+        self._layer_ids = {n: i for i, n in enumerate(sorted(kv_caches, key=layer_sort_key))}
+        is_cuda = pages.device.type == "cuda"
+        self._layerwise = is_cuda if self._layerwise_choice is None else self._layerwise_choice
+        if is_cuda:
+            self._pinner = HostPinner(*cuda_host_registrar())
         self._io.submit(self.link.warm_up)
         logger.info(
             "lmcache-svc: %d layers, %d-byte pages, %d-byte chunks (%s)",
@@ -93,6 +120,8 @@ class WorkerSide:
     def bind(self, plan: StepPlan) -> None:
         """A new step's plan: ask for the save slots now, to overlap the forward pass."""
         hashes = _unique(h for s in plan.saves for h in s.hashes_for(self.tp_rank))
+        self._step_plan, self._step_saves = plan, None
+        self._saved_layers, self._step_loads = set(), []
         if self._pages is None or not hashes:
             self._reservation = None
             return
@@ -104,7 +133,28 @@ class WorkerSide:
             if load.is_async:
                 self._loader.submit(self._run_async_load, load)
             else:
-                self._record_failures(self._load(load))
+                self._record_failures(self._load(load, step=True))
+
+    def wait_for_layer(self, layer_name: str) -> None:
+        """Before the layer runs: its loaded pages must be in place (device-side wait)."""
+        i = self._layer_ids.get(layer_name)
+        if i is not None:
+            for events in self._step_loads:
+                events.wait_on_device(i)
+
+    def save_layer(self, layer_name: str) -> None:
+        """After the layer ran (CUDA): enqueue its saves now if the slots are reserved."""
+        future, i = self._reservation, self._layer_ids.get(layer_name)
+        if not self._layerwise or future is None or i is None or not future.done():
+            return
+        reservation = None if future.exception() is not None else future.result()
+        try:
+            chunks = self._chunk_saves(reservation)
+            if chunks is not None and self._mover is not None:
+                self._mover.save(chunks, layers=[i])
+                self._saved_layers.add(i)
+        except Exception:  # never into vLLM: wait_for_save copies the layer (or gives up)
+            logger.exception("lmcache-svc: saving layer %s failed", layer_name)
 
     def wait_for_save(self, plan: StepPlan) -> None:
         future, self._reservation = self._reservation, None
@@ -116,7 +166,7 @@ class WorkerSide:
             self.stats.add(save_skipped_chunks=num_planned)
             return
         start = time.perf_counter()
-        ok = self._copy_out(plan.saves, reservation)
+        ok = self._copy_out(reservation)
         self.stats.time("save_seconds", time.perf_counter() - start)
         self._io.submit(self._publish, reservation, num_planned, ok)
 
@@ -159,12 +209,14 @@ class WorkerSide:
     def shutdown(self) -> None:
         self._loader.shutdown(wait=True, cancel_futures=True)
         self._io.shutdown(wait=True, cancel_futures=True)
+        if self._pinner is not None:
+            self._pinner.close()  # unregister before the segment is unmapped
         self.link.close()
 
     # -- loads ---------------------------------------------------------------------------
 
     def _run_async_load(self, plan: LoadPlan) -> None:
-        failed = self._load(plan)
+        failed = self._load(plan, step=False)
         with self._lock:
             self._load_errors.update(failed)
             self._finished_loads.add(plan.req_id)
@@ -174,24 +226,36 @@ class WorkerSide:
             with self._lock:
                 self._load_errors.update(failed)
 
-    def _load(self, plan: LoadPlan) -> list[int]:
-        """Copy the plan's chunks in; returns the block ids that could not be loaded."""
-        pages = self._pages
-        if pages is None:
+    def _load(self, plan: LoadPlan, *, step: bool) -> list[int]:
+        """Copy the plan's chunks in; returns the block ids that could not be loaded.
+
+        ``step``: a load of the coming forward pass, which waits per layer on CUDA (or for
+        all of it here when layer-wise waits are off); otherwise the copy is awaited here."""
+        pages, mover = self._pages, self._mover
+        if pages is None or mover is None:
             return list(plan.block_ids)
         start = time.perf_counter()
         acquired = self.link.acquire(plan.hashes_for(self.tp_rank))
         if acquired is None:
             return self._failed(plan, list(plan.block_ids))
         num_loaded_blocks = 0
+        events: LayerEvents | None = None
         try:
-            for (first, block_ids), buffer in zip(self._chunk_blocks(plan), acquired.buffers):
-                pages.copy_chunk_in(pages.chunk_tensor(buffer), first, block_ids)
-                num_loaded_blocks += len(block_ids)
+            self._pin(acquired.buffers)
+            chunks = [
+                ChunkLoad(pages.chunk_tensor(buffer), first, block_ids)
+                for (first, block_ids), buffer in zip(self._chunk_blocks(plan), acquired.buffers)
+            ]
+            events = mover.load(chunks)
+            num_loaded_blocks = sum(len(c.block_ids) for c in chunks)
+            if step and self._layerwise:
+                self._step_loads.append(events)
+            else:
+                events.synchronize()
         except Exception:  # never into vLLM: the blocks are recomputed instead
             logger.exception("lmcache-svc: copying loaded chunks failed")
-        finally:
-            self._io.submit(self.link.release, acquired)  # the bytes are copied: off the step
+        finally:  # once the bytes are copied, off the step
+            self._io.submit(self._release_after, events, acquired)
         num_chunks = min(len(acquired.buffers), len(plan.hashes_for(self.tp_rank)))
         self.stats.time("load_seconds", time.perf_counter() - start)
         self.stats.add(
@@ -199,6 +263,15 @@ class WorkerSide:
             load_bytes=num_loaded_blocks * pages.geometry.num_layers * pages.geometry.page_bytes,
         )
         return self._failed(plan, list(plan.block_ids[num_loaded_blocks:]))
+
+    def _release_after(self, events: LayerEvents | None, acquired: Any) -> None:
+        if events is not None:
+            events.synchronize()
+        self.link.release(acquired)
+
+    def _pin(self, buffers: Sequence[memoryview]) -> None:
+        if self._pinner is not None and buffers:
+            self._pinner.add_buffer(buffers[0])
 
     def _failed(self, plan: LoadPlan, block_ids: list[int]) -> list[int]:
         if block_ids:
@@ -223,18 +296,32 @@ class WorkerSide:
 
     # -- saves ---------------------------------------------------------------------------
 
-    def _copy_out(self, saves: Sequence[SavePlan], reservation: Reservation) -> bool:
-        """Copy the reserved chunks' pages into their slots; False if a copy failed."""
-        assert self._pages is not None
-        sources = self._source_blocks(saves)
+    def _copy_out(self, reservation: Reservation) -> bool:
+        """Copy the reserved chunks' pages (the layers not saved yet) into their slots and
+        wait for the copies; False if a copy failed."""
+        assert self._mover is not None
         try:
-            for chunk_hash, buffer in zip(reservation.hashes, reservation.buffers):
-                block_ids = sources[chunk_hash]
-                self._pages.copy_chunk_out(block_ids, self._pages.chunk_tensor(buffer))
+            chunks = self._chunk_saves(reservation)
+            if chunks is None:
+                return False
+            todo = [i for i in range(len(self._mover.pages.layers)) if i not in self._saved_layers]
+            self._mover.save(chunks, layers=todo).synchronize()
         except Exception:  # never into vLLM: the chunks are just not stored
             logger.exception("lmcache-svc: copying chunks out failed")
             return False
         return True
+
+    def _chunk_saves(self, reservation: Reservation | None) -> list[ChunkSave] | None:
+        if reservation is None or self._pages is None or self._step_plan is None:
+            return None
+        if self._step_saves is None:
+            self._pin(reservation.buffers)
+            sources = self._source_blocks(self._step_plan.saves)
+            self._step_saves = [
+                ChunkSave(sources[chunk_hash], self._pages.chunk_tensor(buffer))
+                for chunk_hash, buffer in zip(reservation.hashes, reservation.buffers)
+            ]
+        return self._step_saves
 
     def _source_blocks(self, saves: Sequence[SavePlan]) -> dict[bytes, tuple[int, ...]]:
         bpc = self.blocks_per_chunk

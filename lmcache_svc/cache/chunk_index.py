@@ -13,17 +13,26 @@ in shared memory, or an inline upload) may still be writing, so the slot stays o
 circulation, the key stays busy, and only its owner's commit or abort, or the end of its
 session, gives the slot back. A quarantined entry never becomes readable.
 
-Not locked: the cache's lock guards every call.
+Not locked itself: the cache's lock guards every call, and this is the only code that
+changes its entries (pins, doomed, deadlines, detached keys): callers read an ``Entry``,
+never write it. With ``check_lock`` (default: the ``LMCACHE_CHECK_LOCKS`` environment
+variable set to 1, as the test suite does) every method that changes the index raises
+``RuntimeError`` when the calling thread does not hold the lock it was given.
 """
 
 from __future__ import annotations
 
+import os
+import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from lmcache_svc.keys import ChunkKey
 from lmcache_svc.tiers.base import Slot
+
+CHECK_LOCKS_ENV = "LMCACHE_CHECK_LOCKS"
+"""Set to 1 to check, in every index change, that the cache's lock is held (debugging)."""
 
 
 @dataclass(slots=True)
@@ -46,14 +55,30 @@ class Entry:
 
 
 class ChunkIndex:
-    def __init__(self, tier_slot_of: Callable[[ChunkKey], Slot | None]) -> None:
+    def __init__(
+        self,
+        tier_slot_of: Callable[[ChunkKey], Slot | None],
+        lock: threading.RLock | None = None,
+        *,
+        check_lock: bool | None = None,
+    ) -> None:
         self._tier_slot_of = tier_slot_of
+        self._lock = lock
+        if check_lock is None:
+            check_lock = os.environ.get(CHECK_LOCKS_ENV) == "1"
+        self._check_lock = check_lock and lock is not None
         self._items: OrderedDict[ChunkKey, Entry | None] = OrderedDict()  # None: at rest
         self._pending: set[ChunkKey] = set()  # not ready yet: reserved or being promoted
         self._quarantined: dict[ChunkKey, str | None] = {}  # expired reservation -> owner
         self._owned_bytes: dict[str | None, int] = {}  # reserved + quarantined, per owner
-        self.detached: set[ChunkKey] = set()
-        """Keys evicted from the index whose bytes are being demoted (not yet freed)."""
+        self._detached: set[ChunkKey] = set()  # evicted, bytes being demoted (not yet freed)
+        self.on_change: Callable[[ChunkKey, bool], None] | None = None
+        """Told when a chunk becomes readable (True) or stops being so (the lookup index)."""
+
+    def _locked(self, what: str) -> None:
+        """Raise unless the calling thread holds the cache's lock (only with ``check_lock``)."""
+        if self._lock is not None and not self._lock._is_owned():  # type: ignore[attr-defined]
+            raise RuntimeError(f"ChunkIndex.{what} called without the cache's lock held")
 
     def __contains__(self, key: ChunkKey) -> bool:
         return key in self._items
@@ -63,7 +88,7 @@ class ChunkIndex:
 
     def busy(self, key: ChunkKey) -> bool:
         """True when ``key`` has an entry or is being demoted: no new slot for it now."""
-        return key in self._items or key in self.detached
+        return key in self._items or key in self._detached
 
     def entry(self, key: ChunkKey) -> Entry | None:
         """The key's state while it is in flux (None for a chunk at rest or absent)."""
@@ -87,21 +112,29 @@ class ChunkIndex:
         return slot
 
     def reserve(self, key: ChunkKey, slot: Slot, owner: str | None, deadline: float) -> None:
+        if self._check_lock:
+            self._locked("reserve")
         self._items[key] = Entry(slot, ready=False, owner=owner, deadline=deadline)
         self._pending.add(key)
         self._owned_bytes[owner] = self._owned_bytes.get(owner, 0) + slot.length
 
     def mark_ready(self, key: ChunkKey, entry: Entry) -> None:
+        if self._check_lock:
+            self._locked("mark_ready")
         if entry.expired:
             raise RuntimeError(f"chunk {key.hex()}: an expired reservation cannot be committed")
         self._disown(entry)
         entry.ready, entry.owner = True, None
         self._pending.discard(key)
         self.settle(key, entry)
+        if self.on_change is not None:
+            self.on_change(key, True)
 
     def rekey(self, old: ChunkKey, new: ChunkKey) -> Entry:
         """Move a live reservation to another key (a pooled slot becomes the chunk written
         into it): owner, deadline and slot are kept, ``new`` goes to the recent end."""
+        if self._check_lock:
+            self._locked("rekey")
         entry = self._items.get(old)
         if entry is None or entry.ready or entry.expired or new in self._items:
             raise RuntimeError(f"chunk {old.hex()}: only a live reservation can be rekeyed")
@@ -113,6 +146,8 @@ class ChunkIndex:
 
     def quarantine(self, key: ChunkKey, entry: Entry) -> None:
         """An expired reservation: no longer pending, never committable, slot kept."""
+        if self._check_lock:
+            self._locked("quarantine")
         entry.expired = True
         self._pending.discard(key)
         self._quarantined[key] = entry.owner
@@ -140,21 +175,78 @@ class ChunkIndex:
 
     def settle(self, key: ChunkKey, entry: Entry) -> None:
         """Back to the bare slot once the chunk is at rest (its LRU position is kept)."""
+        if self._check_lock:
+            self._locked("settle")
         if entry.at_rest:
             self._items[key] = None
 
     def pin(self, key: ChunkKey) -> None:
+        if self._check_lock:
+            self._locked("pin")
         entry = self._items[key]
         if entry is None:
             entry = self._items[key] = Entry(self.slot_of(key), ready=True)
         entry.pins += 1
 
+    def unpin(self, key: ChunkKey) -> bool:
+        """Drop one pin; True when that was the last pin of a chunk deleted while pinned (the
+        caller frees it now), else the chunk settles."""
+        if self._check_lock:
+            self._locked("unpin")
+        entry = self._items.get(key)
+        if entry is None or entry.pins <= 0:
+            raise RuntimeError(f"unpin of chunk {key.hex()} that is not pinned")
+        entry.pins -= 1
+        if entry.pins == 0 and entry.doomed:
+            return True
+        self.settle(key, entry)
+        return False
+
+    def doom(self, key: ChunkKey) -> None:
+        """Deleted (or found corrupted) while pinned: freed when its last pin goes. A chunk
+        without an entry (at rest or absent) is left alone."""
+        if self._check_lock:
+            self._locked("doom")
+        entry = self._items.get(key)
+        if entry is not None:
+            entry.doomed = True
+            if self.on_change is not None:
+                self.on_change(key, False)
+
+    def extend_deadline(self, key: ChunkKey, deadline: float) -> None:
+        """Move a reservation's deadline to ``deadline``, never earlier."""
+        if self._check_lock:
+            self._locked("extend_deadline")
+        entry = self._items[key]
+        if entry is None:
+            raise RuntimeError(f"chunk {key.hex()} has no reservation to extend")
+        entry.deadline = max(entry.deadline, deadline)
+
     def touch(self, key: ChunkKey) -> None:
+        if self._check_lock:
+            self._locked("touch")
         self._items.move_to_end(key)
 
+    def detach(self, key: ChunkKey) -> Slot:
+        """Remove an evicted chunk whose bytes are being demoted: the key stays busy (no new
+        slot for it) until ``release_detached``."""
+        slot = self.remove(key)
+        self._detached.add(key)
+        return slot
+
+    def release_detached(self, key: ChunkKey) -> None:
+        """The demotion of a detached chunk is over (its slot is freed by the caller)."""
+        if self._check_lock:
+            self._locked("release_detached")
+        self._detached.discard(key)
+
     def remove(self, key: ChunkKey) -> Slot:
+        if self._check_lock:
+            self._locked("remove")
         slot = self.slot_of(key)
         entry = self._items.pop(key)
+        if self.on_change is not None and (entry is None or entry.ready):
+            self.on_change(key, False)
         if entry is not None:
             self._disown(entry)
         self._pending.discard(key)

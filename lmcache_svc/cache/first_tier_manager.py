@@ -1,4 +1,4 @@
-"""The first tier with its chunk index: slots in and out, and chunk moves across tiers.
+"""The cache's management of its first tier: slots in and out, and chunk moves across tiers.
 
 Allocating a slot (evicting to make room), freeing one, dropping a pin, and the three moves
 between the first tier and the lower ones: demotion of evicted chunks, promotion of chunks
@@ -12,7 +12,8 @@ and counted (``tier_errors{kind="corrupted"}``), never handed on.
 
 Locking: shares the cache's (reentrant) lock. ``allocate``, ``evict``, ``promote`` and
 ``copy_through`` take it themselves and must be called without it (they copy bulk bytes
-outside it); ``free`` and ``unpin`` assume the caller holds it.
+outside it); ``free`` and ``unpin`` assume the caller holds it. Entries change only
+through ``ChunkIndex`` methods.
 """
 
 from __future__ import annotations
@@ -21,22 +22,22 @@ import logging
 import threading
 from collections.abc import Sequence
 
+from lmcache_svc.cache.chunk_index import ChunkIndex
+from lmcache_svc.cache.lower_tier_manager import LowerTierManager, LowerTierState
 from lmcache_svc.checksums import SlotChecksums, checksum
-from lmcache_svc.chunk_index import ChunkIndex
 from lmcache_svc.keys import ChunkKey
-from lmcache_svc.lower import LowerTier, LowerTiers
 from lmcache_svc.metrics import Metrics
 from lmcache_svc.tiers.base import Slot, SlotTier
 
 log = logging.getLogger(__name__)
 
 
-class FirstTier:
+class FirstTierManager:
     def __init__(
         self,
         tier: SlotTier,
         index: ChunkIndex,
-        lower: LowerTiers,
+        lower: LowerTierManager,
         lock: threading.RLock,
         metrics: Metrics,
         *,
@@ -69,15 +70,14 @@ class FirstTier:
         with self._lock:
             victims = self._index.least_recent_at_rest(nbytes)
             for key, _ in victims:
-                self._index.remove(key)
-                self._index.detached.add(key)
+                self._index.detach(key)
         for key, slot in victims:
             view = self._tier.view(slot)
             if self._intact(key, slot, view):
                 self._lower.demote(key, view)
         with self._lock:
             for key, slot in victims:
-                self._index.detached.discard(key)
+                self._index.release_detached(key)
                 self._clear_sum(slot)
                 self._tier.delete(key)
         self._metrics.evictions.labels(tier=self._tier.name).inc(len(victims))
@@ -90,7 +90,7 @@ class FirstTier:
                 (i for i, k in enumerate(keys) if self._index.busy(k)),
                 len(keys),
             )
-        reserved: list[tuple[ChunkKey, LowerTier, memoryview]] = []
+        reserved: list[tuple[ChunkKey, LowerTierState, memoryview]] = []
         for key, source in zip(keys, self._lower.sources(keys[:num])):
             slot = self.allocate(key, nbytes, owner="promotion", deadline=float("inf"))
             if slot is None:
@@ -116,7 +116,7 @@ class FirstTier:
                 if entry is None:
                     raise RuntimeError(f"promoted chunk {key.hex()} lost its reservation")
                 if contiguous:  # later chunks stay promoted, but only a prefix is leased
-                    entry.pins += 1
+                    self._index.pin(key)
                     pinned.append(key)
                     sources.append(source.tier.name)
                 self._index.mark_ready(key, entry)
@@ -148,14 +148,8 @@ class FirstTier:
 
     def unpin(self, key: ChunkKey) -> None:
         """Drop one pin, freeing a chunk deleted while pinned (caller holds the lock)."""
-        entry = self._index.entry(key)
-        if entry is None or entry.pins <= 0:
-            raise RuntimeError(f"unpin of chunk {key.hex()} that is not pinned")
-        entry.pins -= 1
-        if entry.pins == 0 and entry.doomed:
+        if self._index.unpin(key):
             self.free(key)
-        else:
-            self._index.settle(key, entry)
 
     def rekey(self, old: ChunkKey, new: ChunkKey) -> None:
         """A pooled reservation becomes ``new``'s (caller holds the lock)."""
@@ -208,9 +202,7 @@ class FirstTier:
         self._metrics.tier_errors.labels(tier=self._tier.name, kind="corrupted").inc()
         if condemn:
             with self._lock:
-                entry = self._index.entry(key)
-                if entry is not None:
-                    entry.doomed = True
+                self._index.doom(key)
         return False
 
     def _clear_sum(self, slot: Slot) -> None:

@@ -1,5 +1,6 @@
-"""The background thread that copies committed chunks to write-through tiers (a second
-instance takes the checksums of committed and promoted chunks).
+"""A queue and the background thread that works through it in batches: one instance copies
+committed chunks to write-through tiers, a second takes the checksums of committed and
+promoted chunks.
 
 Only the mechanics live here (a queue, a thread, batching, flush); what a copy does is the
 cache's ``copy_batch`` callback, so the policy stays in one place.
@@ -19,7 +20,7 @@ log = logging.getLogger(__name__)
 _MAX_BATCH = 64
 
 
-class WriteThrough:
+class BackgroundQueue:
     def __init__(
         self,
         copy_batch: Callable[[list[ChunkKey]], None],

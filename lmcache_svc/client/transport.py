@@ -1,25 +1,56 @@
-"""The client side of the wire, shared by the blocking and asyncio clients: gRPC targets,
-channel options, error conversion and the shaping of inline transfers."""
+"""The client side of the wire, used by ``CacheClient``: gRPC targets, channel options, error
+conversion, the shaping of inline transfers, and the shared segment's slots and leases."""
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Protocol, TypeVar
 
 import grpc
+from google.protobuf.message import Message
 
 from lmcache_svc import errors
 from lmcache_svc.arena import ArenaMapping
-from lmcache_svc.defaults import default_socket_path
+from lmcache_svc.client.defaults import default_socket_path
+from lmcache_svc.results import StoreStatus
 from lmcache_svc.v1 import cache_pb2 as pb
-from lmcache_svc.wire import ERROR_KIND_KEY, PIECE_BYTES, channel_options, error_from_kind
+from lmcache_svc.wire import (
+    ERROR_KIND_KEY,
+    PIECE_BYTES,
+    STORE_STATUS_NAMES,
+    channel_options,
+    error_from_kind,
+)
 
 _UNAVAILABLE = {
     grpc.StatusCode.UNAVAILABLE,
     grpc.StatusCode.DEADLINE_EXCEEDED,
     grpc.StatusCode.CANCELLED,
 }
+Req = TypeVar("Req", contravariant=True)
+Resp = TypeVar("Resp", bound=Message, covariant=True)
+
+
+class UnaryCall(Protocol[Req, Resp]):
+    """A generated stub's unary method (``self._stub.Lookup``, ...), from a request message
+    to a response message (the generated types of ``cache_pb2``)."""
+
+    def __call__(
+        self, request: Req, *, timeout: float, metadata: tuple[tuple[str, str], ...]
+    ) -> Resp: ...
+
+
+class NamespaceRequest(Protocol):
+    """A request on one namespace (``pb.LookupRequest``, ``pb.PrepareStoreRequest``, ...)."""
+
+    namespace_id: bytes
+
+
+NsReq = TypeVar("NsReq", bound=NamespaceRequest)
+
+
 RECONNECT_OPTIONS = [
     # Retry a lost server quickly (100 ms, backing off to 1 s). Not min_reconnect_backoff_ms:
     # gRPC also uses it as the time a connection attempt may take, so 100 ms there failed
@@ -27,12 +58,6 @@ RECONNECT_OPTIONS = [
     ("grpc.initial_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 1000),
 ]
-
-
-@dataclass(frozen=True, slots=True)
-class LookupResult:
-    num_hit_chunks: int
-    tiers: list[str]
 
 
 def default_address() -> str:
@@ -54,8 +79,7 @@ def grpc_target(address: str) -> str:
 
 def convert_rpc_error(error: grpc.RpcError) -> errors.LMCacheSvcError:
     """The project's exception for a failed call (the server sends the error kind)."""
-    # grpc.aio's errors carry the same accessors but are not grpc.Call instances
-    call = isinstance(error, (grpc.Call, grpc.aio.AioRpcError))
+    call = isinstance(error, grpc.Call)
     code = error.code() if call else grpc.StatusCode.UNKNOWN
     details = (error.details() if call else None) or str(error)
     trailing = error.trailing_metadata() if call else None
@@ -167,15 +191,6 @@ def auth_metadata(auth_token: str | None) -> tuple[tuple[str, str], ...]:
     return (("authorization", f"Bearer {auth_token}"),) if auth_token else ()
 
 
-StoreStatus = Literal["reserved", "already_stored", "no_space", "in_progress"]
-_STATUS_NAMES: dict[int, StoreStatus] = {
-    pb.RESERVED: "reserved",
-    pb.ALREADY_STORED: "already_stored",
-    pb.NO_SPACE: "no_space",
-    pb.IN_PROGRESS: "in_progress",
-}
-
-
 @dataclass(frozen=True, slots=True)
 class StoreSlot:
     """A chunk's answer to ``prepare_store``: write ``buffer`` when status is 'reserved'."""
@@ -219,7 +234,7 @@ def store_slots(resp: pb.PrepareStoreResponse, mapping: ArenaMapping) -> list[St
     return [
         StoreSlot(
             s.chunk_hash,
-            _STATUS_NAMES[s.status],
+            STORE_STATUS_NAMES[s.status],
             mapping.view(s.offset, s.length) if s.status == pb.RESERVED else None,
         )
         for s in resp.slots
@@ -231,3 +246,26 @@ def load_lease(resp: pb.PrepareLoadResponse, mapping: ArenaMapping) -> LoadLease
     return LoadLease(
         resp.lease_id, [mapping.view(s.offset, s.length, writable=False) for s in resp.slots]
     )
+
+
+def first_event(stream: Any, timeout_s: float) -> pb.SessionEvent:
+    """The session's first event, or ServerUnavailable if it does not come in time."""
+    result: list[Any] = []
+    done = threading.Event()
+
+    def read() -> None:
+        try:
+            result.append(next(stream))
+        except BaseException as e:  # handed to the caller below
+            result.append(e)
+        done.set()
+
+    threading.Thread(target=read, daemon=True).start()
+    if not done.wait(timeout_s):
+        stream.cancel()
+        raise errors.ServerUnavailable(f"no session from the server within {timeout_s} s")
+    if isinstance(result[0], grpc.RpcError):
+        raise result[0]
+    if isinstance(result[0], BaseException):
+        raise errors.ServerUnavailable(f"session stream ended: {result[0]!r}")
+    return result[0]

@@ -3,9 +3,9 @@
 It speaks gRPC over a Unix socket (``/path/x.sock`` or ``unix:/path/x.sock``) or TCP
 (``host:port``). On the same host it maps the server's shared segment and moves bulk bytes
 in place: ``prepare_store`` hands out writable views of reserved slots, ``prepare_load``
-views of leased slots; only offsets cross gRPC. Elsewhere ``store``/``load`` fall back to
-inline streams (``Put``/``Get``). ``AsyncCacheClient`` (``aio_client.py``) is the asyncio
-counterpart for inline transfers.
+views of leased slots; only offsets cross gRPC. Elsewhere (another host, or ``use_shm=False``)
+``store``/``load`` fall back to inline streams (``Put``/``Get``). There is no asyncio client:
+the plugin and the tools call this one from threads.
 
 Faults: every call has a deadline; an unreachable or slow server raises ``ServerUnavailable``.
 gRPC channels reconnect by themselves; after a server restart the client re-registers its
@@ -16,26 +16,26 @@ protobuf and numpy (no server extras).
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import grpc
 
 from lmcache_svc import errors
-from lmcache_svc.aio_client import AsyncCacheClient
 from lmcache_svc.arena import ArenaMapping
-from lmcache_svc.keys import Namespace, NamespaceId
-from lmcache_svc.memories.format import MemoryInfo
-from lmcache_svc.rpc import (
+from lmcache_svc.client.transport import (
     GetAssembler,
     LoadLease,
-    LookupResult,
+    NsReq,
+    Req,
+    Resp,
     StoreSlot,
+    UnaryCall,
     auth_metadata,
     check_mapping,
     client_channel_options,
     convert_rpc_error,
-    default_address,
+    first_event,
     grpc_target,
     join_memory_parts,
     load_lease,
@@ -46,27 +46,22 @@ from lmcache_svc.rpc import (
     stats_dict,
     store_slots,
 )
+from lmcache_svc.keys import Namespace, NamespaceId
+from lmcache_svc.memories.format import MemoryInfo
+from lmcache_svc.results import LookupResult
+from lmcache_svc.shm_index import answer_locally, open_index_segments
 from lmcache_svc.v1 import cache_pb2 as pb
 from lmcache_svc.v1 import cache_pb2_grpc as pb_grpc
-from lmcache_svc.wire import memory_info_from_pb, namespace_to_pb
-
-__all__ = [
-    "AsyncCacheClient",
-    "CacheClient",
-    "LoadLease",
-    "LookupResult",
-    "MemoryInfo",
-    "StoreSlot",
-    "default_address",
-]
+from lmcache_svc.wire import medium_from_pb, memory_info_from_pb, namespace_to_pb
 
 
 class _Session:
     """An open session stream and the mapped segment; dead once the stream ends."""
 
-    def __init__(self, stream: Any, event: pb.SessionEvent) -> None:
+    def __init__(self, stream: Any, event: pb.SessionEvent) -> None:  # a grpc stream call
         self.session_id = event.session_id
         self.mapping, self.segment_name = map_segment(event)
+        self.indexes = open_index_segments(event.segments)  # lookups without a round trip
         self._stream = stream
         self.alive = True
         threading.Thread(target=self._watch, name="lmcache-svc-session", daemon=True).start()
@@ -95,11 +90,16 @@ class CacheClient:
         client_name: str = "",
         use_shm: bool = True,
         auth_token: str | None = None,
+        local_lookup: bool = False,
     ) -> None:
+        """``local_lookup``: answer ``lookup`` from the server's shared-memory index when the
+        session (opened by any shared-memory call, or ``shm_available``) mapped it here; the
+        server's lookup metrics then count only the lookups that reach it."""
         self._target = grpc_target(address)
         self.timeout_s = timeout_s
         self._client_name = client_name
         self._use_shm = use_shm
+        self._local_lookup = local_lookup
         self._metadata = auth_metadata(auth_token)
         self._channel = grpc.insecure_channel(self._target, options=client_channel_options())
         self._stub = pb_grpc.CacheServiceStub(self._channel)
@@ -123,31 +123,36 @@ class CacheClient:
 
     # -- plumbing ------------------------------------------------------------------------
 
-    def _call(self, method: str, request: Any, timeout_s: float | None = None) -> Any:
+    def _call(
+        self, rpc: UnaryCall[Req, Resp], request: Req, timeout_s: float | None = None
+    ) -> Resp:
+        """One unary call of a generated stub method, its errors as the project's exceptions."""
         try:
-            return getattr(self._stub, method)(
-                request, timeout=timeout_s or self.timeout_s, metadata=self._metadata
-            )
+            return rpc(request, timeout=timeout_s or self.timeout_s, metadata=self._metadata)
         except grpc.RpcError as e:
             raise convert_rpc_error(e) from None
 
-    def _ns_call(self, method: str, request: Any, timeout_s: float | None = None) -> Any:
+    def _ns_call(
+        self, rpc: UnaryCall[NsReq, Resp], request: NsReq, timeout_s: float | None = None
+    ) -> Resp:
         """A call on a namespace; re-registers it once if the server forgot it (restart)."""
         try:
-            return self._call(method, request, timeout_s)
+            return self._call(rpc, request, timeout_s)
         except errors.UnknownNamespace:
             ns = self._namespaces.get(bytes(request.namespace_id))
             if ns is None:
                 raise
             self.register_namespace(ns)
-            return self._call(method, request, timeout_s)
+            return self._call(rpc, request, timeout_s)
 
-    def _session_call(self, method: str, make_request: Any) -> tuple[_Session, Any]:
+    def _session_call(
+        self, rpc: UnaryCall[NsReq, Resp], make_request: Callable[[str], NsReq]
+    ) -> tuple[_Session, Resp]:
         """A call that needs a live session; opens a new one once if the old one is gone."""
         for attempt in (0, 1):
             session = self._live_session()
             try:
-                return session, self._ns_call(method, make_request(session.session_id))
+                return session, self._ns_call(rpc, make_request(session.session_id))
             except errors.UnknownSession:
                 with self._lock:
                     if self._session is session:
@@ -164,7 +169,7 @@ class CacheClient:
                 pb.OpenSessionRequest(client_name=self._client_name), metadata=self._metadata
             )
             try:
-                event = _first_event(stream, self.timeout_s)
+                event = first_event(stream, self.timeout_s)
             except grpc.RpcError as e:
                 stream.cancel()
                 raise convert_rpc_error(e) from None
@@ -192,8 +197,9 @@ class CacheClient:
     # -- namespaces and lookup -----------------------------------------------------------
 
     def register_namespace(self, namespace: Namespace) -> NamespaceId:
-        resp = self._call(
-            "RegisterNamespace", pb.RegisterNamespaceRequest(namespace=namespace_to_pb(namespace))
+        resp: pb.RegisterNamespaceResponse = self._call(
+            self._stub.RegisterNamespace,
+            pb.RegisterNamespaceRequest(namespace=namespace_to_pb(namespace)),
         )
         self._namespaces[bytes(resp.namespace_id)] = namespace
         return NamespaceId(bytes(resp.namespace_id))
@@ -201,12 +207,20 @@ class CacheClient:
     def lookup(
         self, namespace_id: bytes, chunk_hashes: Sequence[bytes], *, timeout_s: float | None = None
     ) -> LookupResult:
-        resp = self._ns_call(
-            "Lookup",
+        session = self._session
+        ns = self._namespaces.get(bytes(namespace_id))
+        if self._local_lookup and session is not None and session.alive and ns is not None:
+            local = answer_locally(session.indexes, ns.tenant, chunk_hashes)
+            if local is not None:  # the index holds first-tier chunks: the arena, host memory
+                num_hits, tier_name = local
+                return LookupResult(num_hits, [tier_name] * num_hits, ["host_memory"] * num_hits)
+        resp: pb.LookupResponse = self._ns_call(
+            self._stub.Lookup,
             pb.LookupRequest(namespace_id=namespace_id, chunk_hashes=chunk_hashes),
             timeout_s,
         )
-        return LookupResult(resp.num_hit_chunks, list(resp.tiers))
+        media = [medium_from_pb(m) for m in resp.media]
+        return LookupResult(resp.num_hit_chunks, list(resp.tiers), media)
 
     # -- shared-memory path --------------------------------------------------------------
 
@@ -216,7 +230,7 @@ class CacheClient:
         """Reserve slots; write each 'reserved' buffer, then ``commit_store`` those hashes.
         ``ttl_s``: how long the reservations last (0: the server's default)."""
         session, resp = self._session_call(
-            "PrepareStore",
+            self._stub.PrepareStore,
             lambda sid: pb.PrepareStoreRequest(
                 namespace_id=namespace_id,
                 chunk_hashes=chunk_hashes,
@@ -224,14 +238,15 @@ class CacheClient:
                 ttl_ms=round(ttl_s * 1000),
             ),
         )
-        return store_slots(resp, self._mapping_for(session, resp.segment_name))
+        prepared: pb.PrepareStoreResponse = resp
+        return store_slots(prepared, self._mapping_for(session, prepared.segment_name))
 
     def commit_store(
         self, namespace_id: bytes, chunk_hashes: Sequence[bytes], *, abort: bool = False
     ) -> int:
         session = self._live_session()
-        resp = self._ns_call(
-            "CommitStore",
+        resp: pb.CommitStoreResponse = self._ns_call(
+            self._stub.CommitStore,
             pb.CommitStoreRequest(
                 namespace_id=namespace_id,
                 chunk_hashes=chunk_hashes,
@@ -248,8 +263,8 @@ class CacheClient:
         the slot holding ``chunk_hashes[i]`` was reserved for; see ``StorePool``). Returns
         (chunks committed, placeholders still reserved because their chunk was stored)."""
         session = self._live_session()
-        resp = self._ns_call(
-            "CommitStore",
+        resp: pb.CommitStoreResponse = self._ns_call(
+            self._stub.CommitStore,
             pb.CommitStoreRequest(
                 namespace_id=namespace_id,
                 chunk_hashes=chunk_hashes,
@@ -272,21 +287,23 @@ class CacheClient:
         ``release_load``. ``verify``: the server first checks each chunk against its checksum
         and leases only the intact prefix."""
         session, resp = self._session_call(
-            "PrepareLoad",
+            self._stub.PrepareLoad,
             lambda sid: pb.PrepareLoadRequest(
                 namespace_id=namespace_id, chunk_hashes=chunk_hashes, session_id=sid, verify=verify
             ),
         )
-        if not resp.lease_id:
+        leased: pb.PrepareLoadResponse = resp
+        if not leased.lease_id:
             return LoadLease(None)
-        return load_lease(resp, self._mapping_for(session, resp.segment_name))
+        return load_lease(leased, self._mapping_for(session, leased.segment_name))
 
     def release_load(self, lease: LoadLease) -> bool:
         if lease.lease_id is None:
             return False
-        return bool(
-            self._call("ReleaseLoad", pb.ReleaseLoadRequest(lease_id=lease.lease_id)).released
+        resp: pb.ReleaseLoadResponse = self._call(
+            self._stub.ReleaseLoad, pb.ReleaseLoadRequest(lease_id=lease.lease_id)
         )
+        return bool(resp.released)
 
     def _mapping_for(self, session: _Session, segment_name: str) -> ArenaMapping:
         try:
@@ -366,13 +383,15 @@ class CacheClient:
         return self.timeout_s * max(1, len(items))
 
     def delete(self, namespace_id: bytes, chunk_hashes: Sequence[bytes]) -> int:
-        resp = self._ns_call(
-            "Delete", pb.DeleteRequest(namespace_id=namespace_id, chunk_hashes=chunk_hashes)
+        resp: pb.DeleteResponse = self._ns_call(
+            self._stub.Delete,
+            pb.DeleteRequest(namespace_id=namespace_id, chunk_hashes=chunk_hashes),
         )
         return int(resp.num_deleted)
 
     def stats(self) -> dict[str, Any]:
-        return stats_dict(self._call("Stats", pb.StatsRequest()))
+        resp: pb.StatsResponse = self._call(self._stub.Stats, pb.StatsRequest())
+        return stats_dict(resp)
 
     # -- named memories (docs/memories.md) -------------------------------------------------
 
@@ -404,21 +423,17 @@ class CacheClient:
 
     def list_memories(self) -> list[MemoryInfo]:
         """This tenant's memories, ordered by id."""
-        resp = self._memory_call("ListMemories", pb.ListMemoriesRequest())
+        resp: pb.ListMemoriesResponse = self._call(
+            self._memories.ListMemories, pb.ListMemoriesRequest()
+        )
         return [memory_info_from_pb(m) for m in resp.memories]
 
     def delete_memory(self, memory_id: str) -> bool:
         """Delete a memory; False when there was none."""
-        resp = self._memory_call("DeleteMemory", pb.DeleteMemoryRequest(memory_id=memory_id))
+        resp: pb.DeleteMemoryResponse = self._call(
+            self._memories.DeleteMemory, pb.DeleteMemoryRequest(memory_id=memory_id)
+        )
         return bool(resp.deleted)
-
-    def _memory_call(self, method: str, request: Any) -> Any:
-        try:
-            return getattr(self._memories, method)(
-                request, timeout=self.timeout_s, metadata=self._metadata
-            )
-        except grpc.RpcError as e:
-            raise convert_rpc_error(e) from None
 
     def wait_ready(self, timeout_s: float = 10.0) -> None:
         """Block until the server answers (raises ServerUnavailable after ``timeout_s``)."""
@@ -428,26 +443,3 @@ class CacheClient:
             raise errors.ServerUnavailable(
                 f"no lmcache-svc server answered at {self._target} within {timeout_s} s"
             ) from None
-
-
-def _first_event(stream: Any, timeout_s: float) -> pb.SessionEvent:
-    """The session's first event, or ServerUnavailable if it does not come in time."""
-    result: list[Any] = []
-    done = threading.Event()
-
-    def read() -> None:
-        try:
-            result.append(next(stream))
-        except BaseException as e:  # handed to the caller below
-            result.append(e)
-        done.set()
-
-    threading.Thread(target=read, daemon=True).start()
-    if not done.wait(timeout_s):
-        stream.cancel()
-        raise errors.ServerUnavailable(f"no session from the server within {timeout_s} s")
-    if isinstance(result[0], grpc.RpcError):
-        raise result[0]
-    if isinstance(result[0], BaseException):
-        raise errors.ServerUnavailable(f"session stream ended: {result[0]!r}")
-    return result[0]

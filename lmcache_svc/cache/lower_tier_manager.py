@@ -1,4 +1,5 @@
-"""The tiers below the first: which chunks each holds, and how chunks move among them.
+"""The cache's management of the tiers below the first: which chunks each holds, and how
+chunks move among them.
 
 Each lower tier has an index (chunk key -> size, least recently used first) of what it is
 known to hold: rebuilt from ``Tier.scan()`` at start-up and kept up to date by every put,
@@ -36,10 +37,10 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from lmcache_svc.breaker import STATE_CODES, CircuitBreaker
+from lmcache_svc.cache.values import TierPolicy
 from lmcache_svc.errors import Corrupted, TierError
 from lmcache_svc.keys import CHUNK_KEY_BYTES, ChunkKey
 from lmcache_svc.metrics import Metrics
-from lmcache_svc.policy import TierPolicy
 from lmcache_svc.tiers.base import Buffer, Failed, ItemResult, Tier
 
 log = logging.getLogger(__name__)
@@ -54,7 +55,7 @@ _PROBE_KEY = ChunkKey(b"\0" * CHUNK_KEY_BYTES)
 
 
 @dataclass(slots=True)
-class LowerTier:
+class LowerTierState:
     tier: Tier
     policy: TierPolicy
     index: OrderedDict[ChunkKey, int]
@@ -62,7 +63,7 @@ class LowerTier:
     generation: int = 0
 
 
-class LowerTiers:
+class LowerTierManager:
     def __init__(self, tiers: Sequence[tuple[Tier, TierPolicy]], metrics: Metrics) -> None:
         self._metrics = metrics
         self._lock = threading.Lock()
@@ -70,7 +71,7 @@ class LowerTiers:
         self._resyncing: set[str] = set()
         self._probing: set[str] = set()
 
-    def _make(self, tier: Tier, policy: TierPolicy) -> LowerTier:
+    def _make(self, tier: Tier, policy: TierPolicy) -> LowerTierState:
         trips = self._metrics.breaker_trips.labels(tier=tier.name)
         breaker = CircuitBreaker(
             base_backoff_s=policy.backoff_s,
@@ -81,7 +82,7 @@ class LowerTiers:
         self._metrics.breaker_state.labels(tier=tier.name).set_function(
             lambda: STATE_CODES[breaker.state]
         )
-        return LowerTier(tier, policy, OrderedDict(tier.scan()), breaker, tier.generation)
+        return LowerTierState(tier, policy, OrderedDict(tier.scan()), breaker, tier.generation)
 
     @property
     def tiers(self) -> list[Tier]:
@@ -103,9 +104,9 @@ class LowerTiers:
         with self._lock:
             return next((lt.tier for lt in self._tiers if key in lt.index and _up(lt)), None)
 
-    def sources(self, keys: Sequence[ChunkKey]) -> list[LowerTier]:
+    def sources(self, keys: Sequence[ChunkKey]) -> list[LowerTierState]:
         """The tier to read each chunk of the longest prefix of ``keys`` found below."""
-        plan: list[LowerTier] = []
+        plan: list[LowerTierState] = []
         with self._lock:
             for key in keys:
                 lt = next((lt for lt in self._tiers if key in lt.index and _up(lt)), None)
@@ -128,7 +129,7 @@ class LowerTiers:
 
     # -- reads -----------------------------------------------------------------------------
 
-    def read_up(self, items: Sequence[tuple[ChunkKey, LowerTier, memoryview]]) -> list[bool]:
+    def read_up(self, items: Sequence[tuple[ChunkKey, LowerTierState, memoryview]]) -> list[bool]:
         """Read each chunk from its tier into its buffer, batched per tier; success per item."""
         ok = [False] * len(items)
         for lt in self._tiers:
@@ -198,7 +199,7 @@ class LowerTiers:
             if not self._evict_one(position):
                 return False
 
-    def _stored(self, lt: LowerTier, key: ChunkKey, size: int) -> None:
+    def _stored(self, lt: LowerTierState, key: ChunkKey, size: int) -> None:
         with self._lock:
             lt.index[key] = size
         self._metrics.bytes_written.labels(tier=lt.tier.name).inc(size)
@@ -220,7 +221,7 @@ class LowerTiers:
         self._metrics.evictions.labels(tier=lt.tier.name).inc()
         return True
 
-    def _restore(self, lt: LowerTier, key: ChunkKey, size: int) -> None:
+    def _restore(self, lt: LowerTierState, key: ChunkKey, size: int) -> None:
         """Put back the index entry of a chunk the tier failed to delete, least recent."""
         with self._lock:
             if key not in lt.index:
@@ -251,7 +252,9 @@ class LowerTiers:
 
     # -- faults ----------------------------------------------------------------------------
 
-    def _call(self, lt: LowerTier, op: str, default: D, fn: Callable[..., T], *args: Any) -> T | D:
+    def _call(
+        self, lt: LowerTierState, op: str, default: D, fn: Callable[..., T], *args: Any
+    ) -> T | D:
         """``fn(*args)`` on the tier through its breaker; ``default`` when skipped or failed.
 
         A batch (``put_many``, ``read_many_into``) reports failures per item instead of
@@ -294,14 +297,14 @@ class LowerTiers:
                 daemon=True,
             ).start()  # fmt: skip
 
-    def _probe(self, lt: LowerTier) -> None:
+    def _probe(self, lt: LowerTierState) -> None:
         try:
             self._call(lt, "probe", None, lt.tier.contains_many, [_PROBE_KEY])
         finally:
             with self._lock:
                 self._probing.discard(lt.tier.name)
 
-    def _answered(self, lt: LowerTier) -> None:
+    def _answered(self, lt: LowerTierState) -> None:
         if lt.breaker.success():
             log.warning("tier %s is back; rebuilding its index from what it holds", lt.tier.name)
             self._start_resync(lt)
@@ -309,7 +312,7 @@ class LowerTiers:
             log.warning("tier %s was replaced (restarted); rebuilding its index", lt.tier.name)
             self._start_resync(lt)
 
-    def _start_resync(self, lt: LowerTier) -> None:
+    def _start_resync(self, lt: LowerTierState) -> None:
         with self._lock:
             if lt.tier.name in self._resyncing:
                 return
@@ -318,7 +321,7 @@ class LowerTiers:
             target=self._resync, args=(lt,), name=f"lmcache-svc-resync-{lt.tier.name}", daemon=True
         ).start()
 
-    def _resync(self, lt: LowerTier) -> None:
+    def _resync(self, lt: LowerTierState) -> None:
         """Make the index (and the tier's accounting) agree with what the tier holds after an
         outage: exactly what ``rescan`` finds, known chunks keeping their LRU order. A chunk
         written during the scan that the scan missed leaves the index; for a shared tier a
@@ -371,6 +374,6 @@ def _failed_whole(result: object) -> bool:
     )
 
 
-def _up(lt: LowerTier) -> bool:
+def _up(lt: LowerTierState) -> bool:
     """Not marked down: a tier whose breaker is open or probing counts as a miss."""
     return lt.breaker.state == "closed"

@@ -18,9 +18,11 @@ Ownership is two-phase and explicit:
 
 One lock guards the indices; bulk copies to and from lower tiers happen outside it, on
 entries that are pinned or detached from the index for the duration. The cache holds the
-protocol; the parts live beside it and share its lock: ``chunk_index`` (the first tier's
-index), ``first_tier`` (slots, eviction, promotion, write-through copies), ``lower`` (the
-lower tiers' indices and moves among them), ``sessions`` (sessions, leases, deadlines).
+protocol; the parts live beside it in this package and share its lock: ``chunk_index`` (the
+first tier's index), ``first_tier_manager`` (slots, eviction, promotion, write-through
+copies), ``lower_tier_manager`` (the lower tiers' indices and moves among them), ``sessions``
+(sessions, leases, deadlines), ``background_queue`` (the write-through and checksum threads)
+and ``values`` (settings and result types).
 """
 
 from __future__ import annotations
@@ -32,7 +34,20 @@ import time
 from collections import Counter
 from collections.abc import Sequence
 
-from lmcache_svc.chunk_index import ChunkIndex, Entry
+from lmcache_svc.cache.background_queue import BackgroundQueue
+from lmcache_svc.cache.chunk_index import ChunkIndex, Entry
+from lmcache_svc.cache.first_tier_manager import FirstTierManager
+from lmcache_svc.cache.lower_tier_manager import LowerTierManager
+from lmcache_svc.cache.sessions import Sessions
+from lmcache_svc.cache.settings import CacheSettings
+from lmcache_svc.cache.values import (
+    CacheStats,
+    LeasedSlots,
+    LookupResult,
+    PreparedStore,
+    StoreStatus,
+    TierPolicy,
+)
 from lmcache_svc.errors import (
     InvalidArgument,
     PayloadTooLarge,
@@ -42,7 +57,7 @@ from lmcache_svc.errors import (
     TooManyNamespaces,
     UnknownNamespace,
 )
-from lmcache_svc.first_tier import FirstTier
+from lmcache_svc.index_publisher import IndexPublisher
 from lmcache_svc.keys import (
     ChunkHash,
     ChunkKey,
@@ -51,20 +66,8 @@ from lmcache_svc.keys import (
     check_namespace_id,
     make_chunk_keys,
 )
-from lmcache_svc.lower import LowerTiers
 from lmcache_svc.metrics import Metrics
-from lmcache_svc.policy import (
-    CacheSettings,
-    CacheStats,
-    LeasedSlots,
-    LookupResult,
-    PreparedStore,
-    StoreStatus,
-    TierPolicy,
-)
-from lmcache_svc.sessions import Sessions
 from lmcache_svc.tiers.base import Buffer, SegmentInfo, Slot, SlotTier, Tier
-from lmcache_svc.write_through import WriteThrough
 
 log = logging.getLogger(__name__)
 
@@ -77,16 +80,21 @@ class TieredCache:
         *,
         settings: CacheSettings | None = None,
         metrics: Metrics | None = None,
+        lookup_index: IndexPublisher | None = None,
     ) -> None:
         if not isinstance(first, SlotTier):
             raise TypeError("the first tier must be a SlotTier (clients address it in place)")
         self.settings = settings or CacheSettings()
         self.metrics = metrics or Metrics()
         self._first = first
-        self._lower = LowerTiers(lower, self.metrics)
+        self._lower = LowerTierManager(lower, self.metrics)
         self._lock = threading.RLock()
-        self._index = ChunkIndex(first.slot_of)
-        self._first_tier = FirstTier(
+        self._index = ChunkIndex(first.slot_of, self._lock)
+        self.lookup_index = lookup_index
+        if lookup_index is not None:  # published chunks: see index_publisher.py
+            self._index.on_change = lookup_index.changed
+            lookup_index.set_lower_tiers(bool(lower))
+        self._first_tier = FirstTierManager(
             first,
             self._index,
             self._lower,
@@ -106,12 +114,13 @@ class TieredCache:
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._maintenance: threading.Thread | None = None
-        self._write_through = WriteThrough(
+        self._write_through = BackgroundQueue(
             self._first_tier.copy_through, enabled=self._lower.has_write_through
         )
-        self._checksummer = WriteThrough(
+        self._checksummer = BackgroundQueue(
             self._first_tier.record_checksums, enabled=self.settings.checksums, name="checksums"
         )
+        self._media = {t.name: t.medium for t in self.tiers}
         self.metrics.watch_tiers(lambda: [t.stats() for t in self.tiers])
 
     @property
@@ -140,6 +149,9 @@ class TieredCache:
             self._maintenance.join(timeout=10)
         self._write_through.stop()
         self._checksummer.stop()
+        if self.lookup_index is not None:
+            with self._lock:
+                self.lookup_index.close()
         self._first.close()
         self._lower.close()
 
@@ -175,6 +187,8 @@ class TieredCache:
                     "(cache.max_namespaces); registered ones keep working"
                 )
             self._namespaces[namespace.namespace_id] = namespace
+            if self.lookup_index is not None:
+                self.lookup_index.add_namespace(namespace)
             return namespace
 
     def namespace(self, namespace_id: bytes) -> Namespace:
@@ -245,7 +259,7 @@ class TieredCache:
         self.metrics.misses.inc(len(keys) - len(tiers))
         for name, num in Counter(tiers).items():
             self.metrics.hits.labels(tier=name).inc(num)
-        return LookupResult(len(tiers), tiers)
+        return LookupResult(len(tiers), tiers, [self._media[name] for name in tiers])
 
     def _locate_local(self, keys: list[ChunkKey]) -> list[str]:
         """Where each chunk of the longest prefix known to the in-memory indices is."""
@@ -438,7 +452,7 @@ class TieredCache:
                 return False
             if entry.deadline <= now:
                 return False
-            entry.deadline = max(entry.deadline, deadline)
+            self._index.extend_deadline(key, deadline)
             return True
 
     # -- load ------------------------------------------------------------------------------
@@ -532,7 +546,7 @@ class TieredCache:
                     found = True
                     entry = self._index.entry(key)
                     if entry is not None and entry.pins:
-                        entry.doomed = True
+                        self._index.doom(key)
                     else:
                         self._first_tier.free(key)
             num += self._lower.delete(key) or found

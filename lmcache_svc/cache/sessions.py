@@ -20,11 +20,11 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from lmcache_svc.chunk_index import ChunkIndex
+from lmcache_svc.cache.chunk_index import ChunkIndex
+from lmcache_svc.cache.settings import CacheSettings
 from lmcache_svc.errors import InvalidArgument
 from lmcache_svc.keys import ChunkKey
 from lmcache_svc.metrics import Metrics
-from lmcache_svc.policy import CacheSettings
 
 
 @dataclass(slots=True)

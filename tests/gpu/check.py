@@ -1,0 +1,278 @@
+"""GPU check: the plugin's CUDA copies and the HBM tier on a real device, then benchmarks.
+
+    python -m tests.gpu.check [--gib 1]        (or scripts/gpu_check.sh)
+
+Needs only a CUDA build of torch and this repository (no server, no vLLM, no network).
+
+1. Two processes through the shared arena: this process creates the arena and the slots;
+   a second one builds KV caches laid out exactly like vLLM 0.32's on CUDA (``LBNHC``,
+   ``kv_layout.py``), saves chunks into the slots with ``PageMover`` on its copy stream;
+   this process loads them into other blocks of its own CUDA KV and checks every byte.
+2. The HBM tier across two processes: this process fills an ``HbmTier`` on the device and
+   hands its CUDA IPC handle (protobuf bytes, no pickle) to a second process, which maps
+   the pool, copies a chunk device to device and checks its bytes.
+3. Benchmarks, each next to its same-run baseline (GB/s, median of ``--repeats``):
+   D2H and H2D through the arena (page-locked by ``HostPinner``) vs a plain pinned torch
+   copy of the same bytes; pageable vs pinned; the arena before and after registration;
+   registration time; the HBM tier's device-to-device copy vs a plain device copy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "connectors" / "vllm"))
+
+from lmcache_svc_vllm.layout import KVPages  # noqa: E402
+from lmcache_svc_vllm.mover import ChunkLoad, ChunkSave, PageMover  # noqa: E402
+from lmcache_svc_vllm.pinning import HostPinner, cuda_host_registrar  # noqa: E402
+from lmcache_svc_vllm.streams import CudaCopyStream, copy_stream_for  # noqa: E402
+
+from lmcache_svc.arena import Arena, ArenaMapping  # noqa: E402
+from lmcache_svc.keys import ChunkKey  # noqa: E402
+from lmcache_svc.tiers.cuda_ipc import CudaIpcHandle, open_handle  # noqa: E402
+from lmcache_svc.tiers.hbm import DevicePool, HbmTier  # noqa: E402
+from tests.gpu.kv_layout import KVShape, make_kv_caches, page_order  # noqa: E402
+
+SHAPE = KVShape(num_layers=8, num_blocks=256, block_size=16, num_kv_heads=8, head_size=128)
+BLOCKS_PER_CHUNK = 16  # 256-token chunks
+SAVED = [[(7 * i + 3 * c) % SHAPE.num_blocks for i in range(BLOCKS_PER_CHUNK)] for c in range(4)]
+LOADED = [list(range(100 + 16 * c, 116 + 16 * c))[::-1] for c in range(4)]
+DEVICE = "cuda"  # "cpu" only for --cpu-dry-run of the two-process arena check (CI, no GPU)
+
+
+def make_pages(seed: int, shape: KVShape = SHAPE) -> KVPages:
+    caches = make_kv_caches(shape, seed=seed, device=DEVICE)
+    return KVPages.from_kv_caches(
+        caches,
+        num_blocks=shape.num_blocks,
+        blocks_per_chunk=BLOCKS_PER_CHUNK,
+        page_order=page_order(shape),
+    )
+
+
+# -- 1. two processes through the arena --------------------------------------------------
+
+
+def check_arena_round_trip() -> None:
+    chunk_bytes = make_pages(0).geometry.chunk_bytes
+    arena = Arena.create(8 * chunk_bytes, slab_bytes=chunk_bytes, prefault="sync")
+    try:
+        slots = [arena.allocate(chunk_bytes) for _ in SAVED]
+        offsets = [s.offset for s in slots if s is not None]
+        args = [arena.name, str(arena.segment_size), arena.nonce.hex(), *map(str, offsets)]
+        _child("store", args)
+        src, dst = make_pages(seed=7), make_pages(seed=8)  # seed 7: the child's values
+        loads = [
+            ChunkLoad(dst.chunk_tensor(arena.view(s)), 0, ids)
+            for s, ids in zip(slots, LOADED)
+            if s is not None
+        ]
+        PageMover(dst, copy_stream_for(torch.device(DEVICE))).load(loads).synchronize()
+        del loads  # views of the arena: released before it closes
+        for s_layer, d_layer in zip(src.layers, dst.layers):
+            for saved, loaded in zip(SAVED, LOADED):
+                assert torch.equal(d_layer[loaded].cpu(), s_layer[saved].cpu()), "bytes differ"
+    finally:
+        arena.close()
+    print("arena round trip across two processes (vLLM 0.32 CUDA layout LBNHC): bytes identical")
+
+
+def _store_child(name: str, size: str, nonce: str, *offsets: str) -> None:
+    mapping = ArenaMapping.open(name, int(size), bytes.fromhex(nonce))
+    assert mapping is not None, "could not map the arena"
+    pages = make_pages(seed=7)
+    n = pages.geometry.chunk_bytes
+    saves = [
+        ChunkSave(ids, pages.chunk_tensor(mapping.view(int(off), n)))
+        for ids, off in zip(SAVED, offsets)
+    ]
+    PageMover(pages, copy_stream_for(torch.device(DEVICE))).save(saves).synchronize()
+
+
+# -- 2. the HBM tier across two processes ------------------------------------------------
+
+
+def check_hbm_ipc() -> None:
+    chunk = torch.randint(0, 256, (1 << 20,), dtype=torch.uint8).numpy().tobytes()
+    tier = HbmTier(DevicePool.allocate(8 << 20, 0), slab_bytes=1 << 20)
+    key = ChunkKey(b"\x07" * 48)
+    assert tier.put(key, chunk) and tier.put(ChunkKey(b"\x08" * 48), chunk[::-1])
+    slot = tier.slot_of(key)
+    assert slot is not None
+    wire = tier.export_handle().to_proto().SerializeToString()
+    expected = torch.frombuffer(bytearray(chunk), dtype=torch.uint8).sum().item()
+    _child("hbm", [wire.hex(), str(slot.offset), str(slot.length), str(expected)])
+    tier.close()
+    print("HBM tier over CUDA IPC across two processes: bytes identical")
+
+
+def _hbm_child(wire: str, offset: str, length: str, expected: str) -> None:
+    from lmcache_svc.v1 import device_pb2
+
+    handle = CudaIpcHandle.from_proto(device_pb2.CudaIpcHandle.FromString(bytes.fromhex(wire)))
+    pool = open_handle(handle)
+    local = torch.empty(int(length), dtype=torch.uint8, device="cuda")
+    local.copy_(pool[int(offset) : int(offset) + int(length)])  # device to device
+    assert local.sum().item() == int(expected), "HBM bytes differ"
+
+
+def _child(role: str, args: list[str]) -> None:
+    cmd = [sys.executable, "-m", "tests.gpu.check", "--device", DEVICE, "--child", role, *args]
+    subprocess.run(cmd, cwd=REPO, check=True, timeout=300)
+
+
+# -- 3. benchmarks -----------------------------------------------------------------------
+
+
+def _rate(nbytes: int, fn: Callable[[], object], repeats: int) -> float:
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return nbytes / statistics.median(times) / 1e9
+
+
+def benchmarks(gib: float, repeats: int) -> None:
+    shape = KVShape(
+        num_layers=32,
+        num_blocks=max(16, int(gib * (1 << 30)) // (32 * KVShape().page_bytes)),
+        block_size=16,
+        num_kv_heads=8,
+        head_size=128,
+    )
+    pages = make_pages(1, shape)
+    g = pages.geometry
+    num_chunks = shape.num_blocks // BLOCKS_PER_CHUNK
+    nbytes = num_chunks * g.chunk_bytes
+    print(
+        f"\ndevice: {torch.cuda.get_device_name()}, torch {torch.__version__}, "
+        f"{nbytes / 2**30:.2f} GiB per copy, {g.num_layers} layers, {g.page_bytes} B pages"
+    )
+    arena = Arena.create(nbytes + g.chunk_bytes, slab_bytes=g.chunk_bytes, prefault="sync")
+    slots = [arena.allocate(g.chunk_bytes) for _ in range(num_chunks)]
+    order = torch.randperm(shape.num_blocks).tolist()  # scattered blocks, as in a real cache
+    ids = [order[c * BLOCKS_PER_CHUNK : (c + 1) * BLOCKS_PER_CHUNK] for c in range(num_chunks)]
+    saves = [ChunkSave(b, pages.chunk_tensor(arena.view(s))) for b, s in zip(ids, slots) if s]
+    loads = [ChunkLoad(c.dst, 0, b) for c, b in zip(saves, ids)]
+    mover = PageMover(pages, CudaCopyStream("cuda"))
+    d2h = lambda: mover.save(saves).synchronize()  # noqa: E731
+    h2d = lambda: mover.load(loads).synchronize()  # noqa: E731
+    arena_pageable = (_rate(nbytes, d2h, repeats), _rate(nbytes, h2d, repeats))
+
+    pinner = HostPinner(*cuda_host_registrar())
+    start = time.perf_counter()
+    first = slots[0]
+    assert first is not None
+    pinner.add_buffer(arena.view(first))  # the whole mapping behind the slots
+    pinner.wait_idle()
+    register_s = time.perf_counter() - start
+    arena_pinned = (_rate(nbytes, d2h, repeats), _rate(nbytes, h2d, repeats))
+
+    dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    pinned = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    pageable = torch.empty(nbytes, dtype=torch.uint8)
+    pageable.fill_(1)
+    plain = {
+        "pinned": (
+            _rate(nbytes, lambda: pinned.copy_(dev, non_blocking=True), repeats),
+            _rate(nbytes, lambda: dev.copy_(pinned, non_blocking=True), repeats),
+        ),
+        "pageable": (
+            _rate(nbytes, lambda: pageable.copy_(dev), repeats),
+            _rate(nbytes, lambda: dev.copy_(pageable), repeats),
+        ),
+    }
+    print(
+        f"registering the {arena.segment_size / 2**30:.2f} GiB arena: {register_s:.2f} s "
+        f"({len(pinner.registered)} parts, in the background)"
+    )
+    for i, what in enumerate(("D2H", "H2D")):
+        a, p = arena_pinned[i], plain["pinned"][i]
+        print(
+            f"{what}: arena (pinned) {a:.1f} GB/s vs plain pinned torch copy {p:.1f} GB/s "
+            f"= {100 * a / p:.0f}% (target >= 90%); arena before registration "
+            f"{arena_pageable[i]:.1f} GB/s; plain pageable {plain['pageable'][i]:.1f} GB/s"
+        )
+    pinner.close()
+    saves.clear()  # views of the arena: released before it closes
+    loads.clear()
+    arena.close()
+    _bench_hbm(pages, ids, repeats)
+
+
+def _bench_hbm(pages: KVPages, ids: list[list[int]], repeats: int) -> None:
+    g = pages.geometry
+    pool = DevicePool.allocate(len(ids) * g.chunk_bytes, 0)
+    tier = HbmTier(pool, slab_bytes=g.chunk_bytes)
+    chunk = bytes(g.chunk_bytes)
+    keys = [ChunkKey(i.to_bytes(48, "little")) for i in range(len(ids))]
+    for key in keys:
+        assert tier.put(key, chunk)
+    # the pool's own tensor: the same device memory an engine maps through the IPC handle
+    # (CUDA cannot open an IPC handle in the process that exported it; check_hbm_ipc does
+    # that in a second process)
+    slots = [tier.slot_of(k) for k in keys]
+    views = [pool.buffer[s.offset : s.offset + s.length] for s in slots if s is not None]
+    loads = [
+        ChunkLoad(v.view(g.num_layers, g.blocks_per_chunk, g.page_bytes), 0, b)
+        for v, b in zip(views, ids)
+    ]
+    mover = PageMover(pages, CudaCopyStream("cuda"))
+    nbytes = len(ids) * g.chunk_bytes
+    hbm = _rate(nbytes, lambda: mover.load(loads).synchronize(), repeats)
+    a = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    plain = _rate(nbytes, lambda: b.copy_(a), repeats)
+    print(
+        f"HBM tier hit (device to device into KV blocks): {hbm:.0f} GB/s vs plain device "
+        f"copy {plain:.0f} GB/s = {100 * hbm / plain:.0f}%"
+    )
+    tier.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--gib", type=float, default=1.0, help="bytes per benchmark copy")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--skip-bench", action="store_true")
+    parser.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--device", default="cuda", help="cpu: dry-run of the arena check only (no GPU)"
+    )
+    args = parser.parse_args(argv)
+    global DEVICE
+    DEVICE = args.device
+    if args.child:
+        role, *rest = args.child
+        children: dict[str, Callable[..., None]] = {"store": _store_child, "hbm": _hbm_child}
+        children[role](*rest)
+        return 0
+    if DEVICE == "cpu":
+        check_arena_round_trip()
+        return 0
+    if not torch.cuda.is_available():
+        print("needs CUDA (not available here)", file=sys.stderr)
+        return 2
+    check_arena_round_trip()
+    check_hbm_ipc()
+    if not args.skip_bench:
+        benchmarks(args.gib, args.repeats)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,51 @@
+"""The GPU paths on a real device (skipped without CUDA, with the one shared reason):
+the two-process checks of ``check.py`` at their small sizes, and real page-locking."""
+
+from __future__ import annotations
+
+import mmap
+
+import pytest
+
+from tests.cuda_marks import requires_cuda
+
+pytestmark = requires_cuda
+
+
+def test_arena_round_trip_in_vllm_cuda_layout_across_two_processes() -> None:
+    from tests.gpu.check import check_arena_round_trip
+
+    check_arena_round_trip()
+
+
+def test_hbm_tier_over_cuda_ipc_across_two_processes() -> None:
+    from tests.gpu.check import check_hbm_ipc
+
+    check_hbm_ipc()
+
+
+@pytest.mark.parametrize("read_only", [False, True])
+def test_a_mapping_is_page_locked_and_unlocked(read_only: bool) -> None:
+    import torch
+    from lmcache_svc_vllm.pinning import HostPinner, address_of, cuda_host_registrar
+
+    from tests.gpu.check import REPO  # noqa: F401  (puts the plugin on sys.path)
+
+    size = 64 << 20
+    mm = mmap.mmap(-1, size, prot=mmap.PROT_READ if read_only else mmap.PROT_READ | mmap.PROT_WRITE)
+    view = memoryview(mm)
+    pinner = HostPinner(*cuda_host_registrar(), part_bytes=16 << 20)
+    assert pinner.add_buffer(view[4096:8192])
+    assert pinner.wait_idle(60)
+    assert pinner.is_pinned(address_of(mm), size), "cudaHostRegister failed (see the log)"
+    host = torch.frombuffer(mm, dtype=torch.uint8) if not read_only else None
+    if host is not None:
+        dev = torch.arange(size, device="cuda").to(torch.uint8)
+        host.copy_(dev, non_blocking=True)
+        torch.cuda.synchronize()
+        assert torch.equal(host[:1000], dev[:1000].cpu())
+        del host
+    pinner.close()
+    assert pinner.registered == []
+    view.release()
+    mm.close()

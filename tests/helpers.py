@@ -1,0 +1,55 @@
+"""Factories the tests share: layouts, namespaces, chunk keys, chunk hashes and payloads.
+
+Each is deterministic (the same arguments give the same value), so a test builds a chunk again
+to compare it with what it reads back. The defaults fit together: ``make_chunk(seed)`` is one
+chunk of ``make_namespace()`` (16 tokens x 2 planes x 1 layer x 1 head x 128 uint8 = 4 KiB).
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+from lmcache_svc.keys import ChunkKey, KVLayout, Namespace
+
+CHUNK_BYTES = 4096  # the chunk size of make_namespace() and the default size of make_chunk()
+
+
+def make_layout(
+    *,
+    dtype: str = "uint8",
+    num_layers: int = 1,
+    num_kv_heads: int = 1,
+    head_size: int = 128,
+    block_size: int = 16,
+    page_layout: str = "test",
+) -> KVLayout:
+    return KVLayout(dtype, num_layers, num_kv_heads, head_size, block_size, page_layout)
+
+
+def make_namespace(
+    *,
+    model: str = "m",
+    tenant: str = "default",
+    chunk_size: int = 16,
+    layout: KVLayout | None = None,
+    **fields: int,
+) -> Namespace:
+    """A namespace of ``make_layout()`` (or ``layout``); ``fields`` sets e.g. ``tp_rank``."""
+    layout = layout or make_layout()
+    return Namespace(model=model, layout=layout, chunk_size=chunk_size, tenant=tenant, **fields)
+
+
+def make_hash(seed: int | str) -> bytes:
+    """A 32-byte chunk hash named by ``seed``."""
+    return hashlib.sha256(str(seed).encode()).digest()
+
+
+def make_key(i: int) -> ChunkKey:
+    """A 48-byte chunk key whose first byte is ``i % 256`` (so a prefix pattern can pick it)."""
+    return ChunkKey(bytes([i % 256]) + hashlib.sha384(f"chunk-{i}".encode()).digest()[1:])
+
+
+def make_chunk(seed: int | str, nbytes: int = CHUNK_BYTES) -> bytes:
+    """``nbytes`` of payload named by ``seed`` (different seeds differ in every 32-byte block)."""
+    block = hashlib.sha256(f"payload-{seed}".encode()).digest()
+    return (block * (nbytes // len(block) + 1))[:nbytes]

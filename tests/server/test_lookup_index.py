@@ -1,0 +1,215 @@
+"""The shared-memory lookup index end to end: the cache publishes first-tier chunks as they
+become readable and unpublishes them as they go; a session maps only its tenant's table;
+``CacheClient.lookup`` answers from it exactly what the gRPC ``Lookup`` answers."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from lmcache_svc.arena import Arena
+from lmcache_svc.cache import TieredCache
+from lmcache_svc.cache.settings import CacheSettings
+from lmcache_svc.cache.values import TierPolicy
+from lmcache_svc.client import CacheClient
+from lmcache_svc.index_publisher import IndexPublisher
+from lmcache_svc.keys import KVLayout, Namespace
+from lmcache_svc.server.grpc import build_grpc_server
+from lmcache_svc.server.tokens import Authenticator
+from lmcache_svc.tiers.cpu import CpuTier
+from lmcache_svc.tiers.ssd import SsdTier
+
+LAYOUT = KVLayout(
+    "uint8", num_layers=1, num_kv_heads=1, head_size=128, block_size=16, page_layout="test"
+)
+ACME_NS = Namespace(model="m", layout=LAYOUT, chunk_size=256, tenant="acme")
+GLOBEX_NS = Namespace(model="m", layout=LAYOUT, chunk_size=256, tenant="globex")
+CHUNK = ACME_NS.chunk_bytes
+ACME, GLOBEX, ADMIN = "acme-token-00000001", "globex-token-000001", "ops-token-000000001"
+TOKENS = f"""
+tokens:
+  - tenant: acme
+    token: {ACME}
+  - tenant: globex
+    token: {GLOBEX}
+  - admin: true
+    token: {ADMIN}
+"""
+
+
+def h(i: int) -> bytes:
+    return hashlib.sha256(f"chunk-{i}".encode()).digest()
+
+
+def make_cache(
+    num_chunks: int, lower: list[tuple[SsdTier, TierPolicy]] | None = None, register: bool = True
+) -> TieredCache:
+    arena = Arena.create(num_chunks * CHUNK, slab_bytes=CHUNK, prefault="off")
+    first = CpuTier(arena)
+    cache = TieredCache(
+        first,
+        lower or [],
+        settings=CacheSettings(high_watermark=1.0, checksums=False),
+        lookup_index=IndexPublisher(first.name, num_slots=64),
+    )
+    if register:
+        cache.register_namespace(ACME_NS)
+        cache.register_namespace(GLOBEX_NS)
+    return cache
+
+
+def table(cache: TieredCache, tenant: str) -> object:
+    assert cache.lookup_index is not None
+    seg = cache.lookup_index.table_of(tenant)
+    assert seg is not None
+    return seg.table
+
+
+class Served:
+    """``cache`` behind a real gRPC server with per-tenant tokens, its loop in a thread."""
+
+    def __init__(self, cache: TieredCache, tmp_path: Path) -> None:
+        self.cache = cache
+        tokens = tmp_path / "tokens.yaml"
+        tokens.write_text(TOKENS)
+        self._auth = Authenticator(tokens_file=tokens)
+        self.socket = f"unix:{tmp_path / 'grpc.sock'}"
+        self._loop = asyncio.new_event_loop()
+        self._stopped = threading.Event()
+        started = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(started,), daemon=True)
+        self._thread.start()
+        assert started.wait(30)
+
+    def _run(self, started: threading.Event) -> None:
+        asyncio.set_event_loop(self._loop)
+        self._loop.run_until_complete(self._serve(started))
+
+    async def _serve(self, started: threading.Event) -> None:
+        server, servicer, _ = build_grpc_server(
+            self.cache, max_body_bytes=64 << 20, workers=2, auth=self._auth
+        )
+        server.add_insecure_port(self.socket)
+        await server.start()
+        started.set()
+        while not self._stopped.is_set():
+            await asyncio.sleep(0.02)
+        servicer.stop()
+        await server.stop(grace=None)
+
+    def client(self, token: str, local_lookup: bool = True) -> CacheClient:
+        return CacheClient(self.socket, auth_token=token, local_lookup=local_lookup)
+
+    def close(self) -> None:
+        self._stopped.set()
+        self._thread.join(30)
+        self.cache.close()
+
+
+@pytest.fixture
+def served(tmp_path: Path) -> Iterator[Served]:
+    srv = Served(make_cache(4), tmp_path)
+    yield srv
+    srv.close()
+
+
+def test_published_on_commit_unpublished_on_delete_and_eviction() -> None:
+    cache = make_cache(2)
+    try:
+        acme = table(cache, "acme")
+        cache.prepare_store(ACME_NS.namespace_id, [h(0)], session_id="s")
+        assert not acme.contains(h(0))  # reserved, not readable yet
+        cache.commit_store(ACME_NS.namespace_id, [h(0)], session_id="s")
+        assert acme.contains(h(0))
+        assert not table(cache, "globex").contains(h(0))  # only its own tenant's table
+        cache.delete(ACME_NS.namespace_id, [h(0)])
+        assert not acme.contains(h(0))
+        cache.put(ACME_NS.namespace_id, h(1), b"\1" * CHUNK)
+        lease = cache.prepare_load(ACME_NS.namespace_id, [h(1)])
+        cache.delete(ACME_NS.namespace_id, [h(1)])  # pinned: freed later, unreadable now
+        assert not acme.contains(h(1))
+        assert lease.lease_id is not None
+        cache.release_load(lease.lease_id)
+        for i in (2, 3, 4):  # two slots: storing a third evicts the least recent
+            cache.put(ACME_NS.namespace_id, h(i), bytes([i]) * CHUNK)
+        assert not acme.contains(h(2)) and acme.contains(h(3)) and acme.contains(h(4))
+        assert acme.num_entries == 2
+    finally:
+        cache.close()
+
+
+def test_client_lookup_is_local_and_matches_grpc(served: Served) -> None:
+    cache = served.cache
+    for i in range(3):
+        cache.put(ACME_NS.namespace_id, h(i), bytes([i]) * CHUNK)
+    query = [h(0), h(1), h(2), h(9), h(1)]
+    with served.client(ACME) as local, served.client(ACME, local_lookup=False) as remote:
+        ns_id = local.register_namespace(ACME_NS)
+        remote.register_namespace(ACME_NS)
+        assert local.shm_available  # opens the session: arena and index mapped
+        before = cache.metrics.lookup_chunks._value.get()  # noqa: SLF001
+        got = local.lookup(ns_id, query)
+        assert cache.metrics.lookup_chunks._value.get() == before  # noqa: SLF001 (no RPC)
+        assert got == remote.lookup(ns_id, query)
+        assert got.num_hit_chunks == 3 and got.tiers == ["cpu"] * 3
+        cache.delete(ns_id, [h(1)])
+        assert local.lookup(ns_id, query).num_hit_chunks == 1
+        cache.put(ACME_NS.namespace_id, h(1), b"\1" * CHUNK)
+        assert local.lookup(ns_id, query).num_hit_chunks == 3
+
+
+def test_a_tenant_session_maps_only_its_own_table(served: Served) -> None:
+    cache = served.cache
+    cache.put(GLOBEX_NS.namespace_id, h(0), b"\0" * CHUNK)
+    with served.client(ACME) as acme, served.client(GLOBEX) as globex:
+        acme.register_namespace(ACME_NS)
+        globex.register_namespace(GLOBEX_NS)
+        assert acme.shm_available and globex.shm_available
+        acme_session = acme._live_session()  # noqa: SLF001
+        assert set(acme_session.indexes) == {"acme"}
+        assert set(globex._live_session().indexes) == {"globex"}  # noqa: SLF001
+        # acme's table never holds globex's chunk, whatever hash acme asks about
+        assert acme_session.indexes["acme"].lookup([h(0)]).num_hit_chunks == 0  # type: ignore[union-attr]
+        assert globex.lookup(GLOBEX_NS.namespace_id, [h(0)]).num_hit_chunks == 1
+    with served.client(ADMIN) as admin:
+        admin.register_namespace(ACME_NS)
+        assert admin.shm_available
+        assert set(admin._live_session().indexes) == {"acme", "globex", "default"}  # noqa: SLF001
+
+
+def test_chunks_in_a_lower_tier_are_hits_through_the_fallback(tmp_path: Path) -> None:
+    ssd = SsdTier(tmp_path / "ssd", 16 * CHUNK)
+    srv = Served(make_cache(1, [(ssd, TierPolicy(accept_demotions=True))]), tmp_path)
+    try:
+        cache = srv.cache
+        cache.put(ACME_NS.namespace_id, h(0), b"\0" * CHUNK)
+        cache.put(ACME_NS.namespace_id, h(1), b"\1" * CHUNK)  # demotes h(0) to the SSD
+        assert not table(cache, "acme").contains(h(0))
+        with srv.client(ACME) as client:
+            ns_id = client.register_namespace(ACME_NS)
+            assert client.shm_available
+            got = client.lookup(ns_id, [h(0), h(1)])
+            assert got.num_hit_chunks == 2 and got.tiers == ["ssd", "cpu"]
+            assert client.lookup(ns_id, [h(1)]).tiers == ["cpu"]  # a full hit: local
+    finally:
+        srv.close()
+
+
+def test_a_session_opened_before_any_registration_gets_its_table(tmp_path: Path) -> None:
+    """The plugin registers first, but any client may open its session first."""
+    srv = Served(make_cache(2, register=False), tmp_path)
+    try:
+        with srv.client(ACME) as client:
+            assert client.shm_available  # no acme namespace is known yet
+            ns_id = client.register_namespace(ACME_NS)
+            srv.cache.put(ACME_NS.namespace_id, h(5), b"\5" * CHUNK)
+            before = srv.cache.metrics.lookup_chunks._value.get()  # noqa: SLF001
+            assert client.lookup(ns_id, [h(5)]).num_hit_chunks == 1
+            assert srv.cache.metrics.lookup_chunks._value.get() == before  # noqa: SLF001
+    finally:
+        srv.close()
