@@ -50,8 +50,8 @@ def count_lookup_calls(scheduler: SchedulerSide, monkeypatch: pytest.MonkeyPatch
     calls = [0]
     real = client._ns_call  # noqa: SLF001
 
-    def counted(method: str, *args: Any, **kwargs: Any) -> Any:
-        if method == "Lookup":
+    def counted(method: Any, *args: Any, **kwargs: Any) -> Any:
+        if method is client._stub.Lookup:  # noqa: SLF001
             calls[0] += 1
         return real(method, *args, **kwargs)
 
