@@ -103,7 +103,8 @@ def test_stores_after_the_first_take_slots_reserved_ahead(
     its commit the pool holds as many slots, and the next store copies into them without
     a prepare round trip; the pool's slots go back when the link closes."""
     server = start_server(tmp_path)
-    link = ServerLink(ConnectorConfig(url=server.socket), NAMESPACE, "link-test")
+    config = ConnectorConfig(url=server.socket, store_pool_chunks=64)  # opt in: off by default
+    link = ServerLink(config, NAMESPACE, "link-test")
     try:
         first = _reserve_when_up(link)
         assert first.pooled == [] and len(first.hashes) == 2
