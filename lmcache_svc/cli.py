@@ -131,6 +131,7 @@ def _bench(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from lmcache_svc.bench import BENCHMARKS
+    from lmcache_svc.bench.report import targets_at_a_glance
     from lmcache_svc.bench.runner import run_benchmark
 
     options: dict[str, str] = {}
@@ -143,7 +144,7 @@ def _bench(args: argparse.Namespace) -> int:
     if args.minutes is not None:
         options["minutes"] = str(args.minutes)
     names = list(BENCHMARKS) if "all" in args.names else args.names
-    missed = failed = 0
+    reports = []
     for name in names:
         report = run_benchmark(
             name,
@@ -153,8 +154,13 @@ def _bench(args: argparse.Namespace) -> int:
             options=options,
         )
         print(report.to_markdown(), flush=True)
-        missed += sum(not t.met for t in report.targets)
-        failed += bool(report.data.get("failed"))
+        reports.append(report)
+    if len(reports) > 1:
+        glance = targets_at_a_glance(reports)
+        (Path(args.out) / "targets.md").write_text(glance)
+        print(glance, flush=True)
+    missed = sum(not t.met for r in reports for t in r.targets)
+    failed = sum(bool(r.data.get("failed")) for r in reports)
     if missed:
         print(f"{missed} target(s) missed: see the reports in {args.out}", file=sys.stderr)
     if failed:  # a correctness check failed (soak: wrong bytes served), not a speed target

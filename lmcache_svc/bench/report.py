@@ -178,3 +178,15 @@ def _cell(value: Any) -> str:
             return f"{value:.2f}"
         return f"{value:.3g}"
     return str(value)
+
+
+def targets_at_a_glance(reports: list[Report]) -> str:
+    """Every target of several reports in one table (``bench all`` writes it as targets.md)."""
+    table = Table("Targets at a glance", ["benchmark", "target", "measured", "goal", "verdict"])
+    for report in reports:
+        for target in report.targets:
+            table.add(report.name, *target.to_markdown_row())
+    missed = sum(not t.met for r in reports for t in r.targets)
+    total = sum(len(r.targets) for r in reports)
+    table.notes.append(f"{total - missed} of {total} target(s) met")
+    return table.to_markdown()

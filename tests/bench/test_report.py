@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from lmcache_svc.bench import BENCHMARKS
-from lmcache_svc.bench.report import Progress, Report, Target
+from lmcache_svc.bench.report import Progress, Report, Target, targets_at_a_glance
 from lmcache_svc.bench.runner import BenchContext, run_benchmark
 from lmcache_svc.bench.stats import gbps, median, percentile
 from lmcache_svc.cli import main
@@ -39,6 +39,18 @@ def test_report_markdown_and_json(tmp_path: Path) -> None:
     assert data["tables"][0]["rows"] == [["shm store", 7.25, 9.0]]
     assert [t["met"] for t in data["targets"]] == [True, False]
     assert data["machine"]["cpus"] > 0
+
+
+def test_targets_at_a_glance_lists_every_report() -> None:
+    ttft = Report("ttft", "full")
+    ttft.target("b / c", 1.05, 1.1, lower_is_better=True)
+    lookup = Report("lookup", "full")
+    lookup.target("p99", 2.5, 1.0, unit=" ms", lower_is_better=True, why_missed="GIL")
+    lookup.target("ratio", 6.0, 5.0)
+    md = targets_at_a_glance([ttft, lookup, Report("soak", "full")])
+    assert "| ttft | b / c | 1.05 | <= 1.10 | met |" in md
+    assert "| lookup | p99 | 2.50 ms | <= 1.00 ms | MISSED: GIL |" in md
+    assert "- 2 of 3 target(s) met" in md
 
 
 def test_table_rejects_wrong_number_of_cells() -> None:
