@@ -94,6 +94,33 @@ def _mismatch_note(results: dict[str, Results], cells: list[Cell], num_differ: i
     )
 
 
+def differ_from(results: dict[str, Results], name: str, other: str, cell: Cell) -> int:
+    """Queries of ``cell`` whose greedy tokens differ between two strategies."""
+    return sum(
+        a.token_ids != b.token_ids for a, b in zip(results[name][cell], results[other][cell])
+    )
+
+
+def _same_as_c_target(
+    report: Report, results: dict[str, Results], cells: list[Cell], name: str
+) -> None:
+    """A hit from the sidecar must give vLLM's own prefix-cache output, token for token, where
+    both served the same prefix: the same KV bytes, then the same computation of the rest (the
+    writer engine computed each context alone, as (c) does). Unlike a comparison with (a),
+    this one has no rounding excuse: wrong KV bytes would show here."""
+    same = [c for c in cells if _served(results, name, c) == _served(results, "c", c)]
+    differ = sum(differ_from(results, name, "c", c) for c in same)
+    num_queries = sum(len(results[name][c]) for c in same)
+    report.target(
+        f"({name}) queries whose tokens differ from (c)'s, same prefix served "
+        f"({len(same)} cells, {num_queries} queries)",
+        float(differ),
+        0.0,
+        lower_is_better=True,
+        why_missed="the sidecar's KV gave other tokens than vLLM's own cache: wrong bytes?",
+    )
+
+
 def write_report(report: Report, p: Params, results: dict[str, Results], out_dir: Path) -> None:
     cells = list(results["a"])
     names = list(results)
@@ -115,6 +142,8 @@ def write_report(report: Report, p: Params, results: dict[str, Results], out_dir
         if c_too
         else "a connector's hit changed the first token (see 'outputs identical')",
     )
+    if "b" in results and "c" in results:
+        _same_as_c_target(report, results, cells, "b")
     num_differ = sum(1 for m in mismatches if m)
     report.data["outputs_identical"] = num_differ == 0
     if num_differ:

@@ -9,11 +9,16 @@ from pathlib import Path
 
 import pytest
 
+from lmcache_svc.bench.report import Report
 from lmcache_svc.bench.runner import BenchContext, run_benchmark
 from lmcache_svc.bench.ttft import EXPLICIT_CHUNKS, make_workload, params
 from lmcache_svc.bench.vllm.engines import VLLM_PYTHON
 from lmcache_svc.bench.vllm_ttft import PLUGIN_DEFAULT_CHUNK, Sample, Setup, plugin_config
-from lmcache_svc.bench.vllm_ttft_report import memos_speedup, output_mismatches
+from lmcache_svc.bench.vllm_ttft_report import (
+    memos_speedup,
+    output_mismatches,
+    write_report,
+)
 
 
 def _ctx(tmp_path: Path, **options: str) -> BenchContext:
@@ -89,6 +94,26 @@ def test_output_mismatches_counts_first_and_later_tokens() -> None:
     assert output_mismatches(results, cell) == {"c": (0, 1), "d": (1, 2)}
 
 
+def test_b_is_checked_token_for_token_against_c_where_both_served_the_same(
+    tmp_path: Path,
+) -> None:
+    def samples(served: int, *tokens: list[int]) -> list[Sample]:
+        return [Sample(0.1, t, served) for t in tokens]
+
+    same, fewer = (583, 167), (2773, 167)
+    results = {
+        "a": {same: samples(0, [1, 2], [3, 4]), fewer: samples(0, [1, 2], [3, 4])},
+        "b": {same: samples(512, [1, 2], [3, 9]), fewer: samples(2560, [5, 5], [3, 4])},
+        "c": {same: samples(512, [1, 2], [3, 4]), fewer: samples(2688, [1, 2], [3, 4])},
+    }
+    report = Report("ttft", "quick")
+    write_report(report, params(_ctx(tmp_path)), results, tmp_path)
+    target = next(t for t in report.targets if "differ from (c)'s" in t.name)
+    # Only the cell where (b) served as many tokens as (c) counts; one query differs there.
+    assert "(1 cells, 2 queries)" in target.name
+    assert target.value == 1 and not target.met
+
+
 @pytest.mark.slow
 @pytest.mark.vllm
 @pytest.mark.timeout(1200)
@@ -110,6 +135,8 @@ def test_quick_mode_end_to_end(tmp_path: Path) -> None:
     assert vs_c.goal == 1.1 and math.isfinite(vs_c.value)
     first_token = next(t for t in report.targets if "first token" in t.name)
     assert first_token.value == 0, "a cache hit changed the first generated token"
+    same_as_c = next(t for t in report.targets if "differ from (c)'s" in t.name)
+    assert same_as_c.value == 0, "a sidecar hit gave other tokens than vLLM's own cache hit"
     data = json.loads((tmp_path / "ttft.json").read_text())
     assert {c["context"] for c in data["data"]["cells"]} == {2773}
     assert all(len(c["b"]) == 2 for c in data["data"]["cells"])
