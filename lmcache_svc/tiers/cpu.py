@@ -2,8 +2,8 @@
 
 Same-host clients map the arena (``segment()``) and copy into or out of slots in place; the
 server copies for inline transfers through ``put`` and ``read_into``. A slot being read is
-pinned: deleting or replacing its key meanwhile frees it only when the last read ends, so a
-reader never sees a slot reused under it.
+pinned (``read_pins.ReadPins``): deleting or replacing its key meanwhile frees it only when
+the last read ends, so a reader never sees a slot reused under it.
 
 The index holds each slot as one int (page number and length packed), not a ``Slot``
 object: an index of millions of chunks is the server's main memory cost beyond the payloads,
@@ -20,6 +20,7 @@ from lmcache_svc.errors import InvalidArgument
 from lmcache_svc.keys import ChunkKey
 from lmcache_svc.slab import ALIGN
 from lmcache_svc.tiers.base import Buffer, SegmentInfo, Slot, SlotTier
+from lmcache_svc.tiers.read_pins import ReadPins
 
 
 class _SlotPacker:
@@ -50,8 +51,7 @@ class CpuTier(SlotTier):
         self._lock = threading.Lock()
         self._slots: dict[ChunkKey, int] = {}  # packed slots
         self._packer = _SlotPacker(arena.capacity_bytes)
-        self._num_readers: dict[Slot, int] = {}
-        self._orphans: set[Slot] = set()  # dropped from the index while being read
+        self._reads = ReadPins(self._arena.free)
 
     @property
     def arena(self) -> Arena:
@@ -94,7 +94,7 @@ class CpuTier(SlotTier):
             old = self._slots.get(key)
             self._slots[key] = self._packer.pack(slot)
             if old is not None:
-                self._release(self._packer.unpack(old))
+                self._reads.release(self._packer.unpack(old))
         return True
 
     def read_into(self, key: ChunkKey, out: memoryview) -> bool:
@@ -107,7 +107,7 @@ class CpuTier(SlotTier):
                 raise InvalidArgument(
                     f"read buffer is {out.nbytes} bytes, chunk {key.hex()} is {slot.length}"
                 )
-            self._num_readers[slot] = self._num_readers.get(slot, 0) + 1
+            self._reads.begin(slot)
         try:
             out.cast("B")[:] = self._arena.view(slot)
         finally:
@@ -116,19 +116,7 @@ class CpuTier(SlotTier):
 
     def _end_read(self, slot: Slot) -> None:
         with self._lock:
-            left = self._num_readers.pop(slot) - 1
-            if left:
-                self._num_readers[slot] = left
-            elif slot in self._orphans:
-                self._orphans.remove(slot)
-                self._arena.free(slot)
-
-    def _release(self, slot: Slot) -> None:
-        """Free a slot dropped from the index, or defer it to its last reader. Lock held."""
-        if slot in self._num_readers:
-            self._orphans.add(slot)
-        else:
-            self._arena.free(slot)
+            self._reads.end(slot)
 
     def size_of(self, key: ChunkKey) -> int | None:
         packed = self._slots.get(key)
@@ -142,7 +130,7 @@ class CpuTier(SlotTier):
                 return 0
             slot = self._packer.unpack(packed)
             freed = self._arena.class_bytes_of(slot)
-            self._release(slot)
+            self._reads.release(slot)
         return freed
 
     def contains_many(self, keys: Sequence[ChunkKey]) -> list[bool]:
@@ -163,6 +151,5 @@ class CpuTier(SlotTier):
     def close(self) -> None:
         with self._lock:
             self._slots.clear()
-            self._num_readers.clear()
-            self._orphans.clear()
+            self._reads.clear()
         self._arena.close()

@@ -11,8 +11,8 @@ it is ``slot_of(key)``: an engine that maps the pool copies a hit device to devi
 ``DevicePool`` is the allocator seam: ``DevicePool.allocate`` makes the CUDA buffer (after
 ``require_cuda``); tests hand in a CPU tensor, which exercises all of the tier but IPC.
 
-A slot being read is pinned, as in the CPU tier: deleting or replacing its key meanwhile
-frees it when the last read ends.
+A slot being read is pinned, as in the CPU tier (``read_pins.ReadPins``): deleting or
+replacing its key meanwhile frees it when the last read ends.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from lmcache_svc.errors import ConfigError, InvalidArgument
 from lmcache_svc.keys import ChunkKey
 from lmcache_svc.slab import SlabAllocator
 from lmcache_svc.tiers.base import Buffer, Slot, Tier
+from lmcache_svc.tiers.read_pins import ReadPins
 
 if TYPE_CHECKING:
     import torch
@@ -89,8 +90,7 @@ class HbmTier(Tier):
         self._alloc = SlabAllocator(0, pool.nbytes, slab_bytes)
         self._lock = threading.Lock()
         self._slots: dict[ChunkKey, Slot] = {}
-        self._num_readers: dict[Slot, int] = {}
-        self._orphans: set[Slot] = set()
+        self._reads = ReadPins(self._free_slot)
 
     @property
     def used_bytes(self) -> int:
@@ -119,7 +119,7 @@ class HbmTier(Tier):
             old = self._slots.get(key)
             self._slots[key] = slot
             if old is not None:
-                self._release(old)
+                self._reads.release(old)
         return True
 
     def _allocate(self, nbytes: int) -> Slot | None:
@@ -136,7 +136,7 @@ class HbmTier(Tier):
                 raise InvalidArgument(
                     f"read buffer is {out.nbytes} bytes, chunk {key.hex()} is {slot.length}"
                 )
-            self._num_readers[slot] = self._num_readers.get(slot, 0) + 1
+            self._reads.begin(slot)
         try:
             _host_tensor(out.cast("B")).copy_(self._bytes(slot))
         finally:
@@ -145,19 +145,10 @@ class HbmTier(Tier):
 
     def _end_read(self, slot: Slot) -> None:
         with self._lock:
-            left = self._num_readers.pop(slot) - 1
-            if left:
-                self._num_readers[slot] = left
-            elif slot in self._orphans:
-                self._orphans.remove(slot)
-                self._alloc.free(slot.offset, slot.length)
+            self._reads.end(slot)
 
-    def _release(self, slot: Slot) -> None:
-        """Free a slot dropped from the index, or defer it to its last reader. Lock held."""
-        if slot in self._num_readers:
-            self._orphans.add(slot)
-        else:
-            self._alloc.free(slot.offset, slot.length)
+    def _free_slot(self, slot: Slot) -> None:
+        self._alloc.free(slot.offset, slot.length)
 
     def size_of(self, key: ChunkKey) -> int | None:
         slot = self._slots.get(key)
@@ -169,7 +160,7 @@ class HbmTier(Tier):
             if slot is None:
                 return 0
             freed = self._alloc.class_bytes_of(slot.offset) or 0
-            self._release(slot)
+            self._reads.release(slot)
         return freed
 
     def contains_many(self, keys: Sequence[ChunkKey]) -> list[bool]:
@@ -188,8 +179,7 @@ class HbmTier(Tier):
     def close(self) -> None:
         with self._lock:
             self._slots.clear()
-            self._num_readers.clear()
-            self._orphans.clear()
+            self._reads.clear()
             self._pool = None  # the device memory goes back to torch's allocator
 
 
