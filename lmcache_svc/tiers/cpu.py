@@ -2,7 +2,7 @@
 
 Same-host clients map the arena (``segment()``) and copy into or out of slots in place; the
 server copies for inline transfers through ``put`` and ``read_into``. A slot being read is
-pinned (``read_pins.ReadPins``): deleting or replacing its key meanwhile frees it only when
+pinned (``own_slots.ReadPins``): deleting or replacing its key meanwhile frees it only when
 the last read ends, so a reader never sees a slot reused under it.
 
 The index holds each slot as one int (page number and length packed), not a ``Slot``
@@ -16,11 +16,10 @@ import threading
 from collections.abc import Sequence
 
 from lmcache_svc.arena import Arena
-from lmcache_svc.errors import InvalidArgument
 from lmcache_svc.keys import ChunkKey
 from lmcache_svc.slab import ALIGN
-from lmcache_svc.tiers.base import Buffer, SegmentInfo, Slot, SlotTier
-from lmcache_svc.tiers.read_pins import ReadPins
+from lmcache_svc.tiers.base import SegmentInfo, Slot, SlotTier
+from lmcache_svc.tiers.own_slots import OwnSlotsTier, ReadPins
 
 
 class _SlotPacker:
@@ -39,7 +38,7 @@ class _SlotPacker:
         return Slot((packed >> self.length_bits) * ALIGN, packed & self.length_mask)
 
 
-class CpuTier(SlotTier):
+class CpuTier(OwnSlotsTier, SlotTier):
     """A ``SlotTier`` over an ``Arena``, which it owns: ``close`` closes the arena. Thread-safe."""
 
     medium = "host_memory"
@@ -81,42 +80,23 @@ class CpuTier(SlotTier):
                 raise RuntimeError(f"tier {self.name!r}: key {new.hex()} already has a slot")
             self._slots[new] = self._slots.pop(old)
 
-    def put(self, key: ChunkKey, data: Buffer) -> bool:
-        """Store ``data``; when the arena is full, an old value of ``key`` is dropped first."""
-        src = memoryview(data).cast("B")
-        slot = self._arena.allocate(src.nbytes)
-        if slot is None and self.delete(key):
-            slot = self._arena.allocate(src.nbytes)
-        if slot is None:
-            return False
+    def _take(self, nbytes: int) -> Slot | None:
+        return self._arena.allocate(nbytes)
+
+    def _find(self, key: ChunkKey) -> Slot | None:
+        packed = self._slots.get(key)
+        return None if packed is None else self._packer.unpack(packed)
+
+    def _set(self, key: ChunkKey, slot: Slot) -> Slot | None:
+        old = self._slots.get(key)
+        self._slots[key] = self._packer.pack(slot)
+        return None if old is None else self._packer.unpack(old)
+
+    def _copy_in(self, slot: Slot, src: memoryview) -> None:
         self._arena.view(slot)[:] = src
-        with self._lock:
-            old = self._slots.get(key)
-            self._slots[key] = self._packer.pack(slot)
-            if old is not None:
-                self._reads.release(self._packer.unpack(old))
-        return True
 
-    def read_into(self, key: ChunkKey, out: memoryview) -> bool:
-        with self._lock:
-            packed = self._slots.get(key)
-            if packed is None:
-                return False
-            slot = self._packer.unpack(packed)
-            if out.nbytes != slot.length:
-                raise InvalidArgument(
-                    f"read buffer is {out.nbytes} bytes, chunk {key.hex()} is {slot.length}"
-                )
-            self._reads.begin(slot)
-        try:
-            out.cast("B")[:] = self._arena.view(slot)
-        finally:
-            self._end_read(slot)
-        return True
-
-    def _end_read(self, slot: Slot) -> None:
-        with self._lock:
-            self._reads.end(slot)
+    def _copy_out(self, slot: Slot, out: memoryview) -> None:
+        out.cast("B")[:] = self._arena.view(slot)
 
     def size_of(self, key: ChunkKey) -> int | None:
         packed = self._slots.get(key)

@@ -11,7 +11,7 @@ it is ``slot_of(key)``: an engine that maps the pool copies a hit device to devi
 ``DevicePool`` is the allocator seam: ``DevicePool.allocate`` makes the CUDA buffer (after
 ``require_cuda``); tests hand in a CPU tensor, which exercises all of the tier but IPC.
 
-A slot being read is pinned, as in the CPU tier (``read_pins.ReadPins``): deleting or
+A slot being read is pinned, as in the CPU tier (``own_slots.ReadPins``): deleting or
 replacing its key meanwhile frees it when the last read ends.
 """
 
@@ -25,8 +25,8 @@ from typing import TYPE_CHECKING
 from lmcache_svc.errors import ConfigError, InvalidArgument
 from lmcache_svc.keys import ChunkKey
 from lmcache_svc.slab import SlabAllocator
-from lmcache_svc.tiers.base import Buffer, Slot, Tier
-from lmcache_svc.tiers.read_pins import ReadPins
+from lmcache_svc.tiers.base import Buffer, Slot
+from lmcache_svc.tiers.own_slots import OwnSlotsTier, ReadPins
 
 if TYPE_CHECKING:
     import torch
@@ -78,7 +78,7 @@ class DevicePool:
         return export_handle(self.buffer)
 
 
-class HbmTier(Tier):
+class HbmTier(OwnSlotsTier):
     """A ``Tier`` over a ``DevicePool``, which it owns. Thread-safe."""
 
     medium = "device"
@@ -106,46 +106,28 @@ class HbmTier(Tier):
         return self._pool.buffer[slot.offset : slot.offset + slot.length]
 
     def put(self, key: ChunkKey, data: Buffer) -> bool:
-        src = memoryview(data).cast("B")
-        if not src.nbytes:
+        if not memoryview(data).nbytes:
             raise InvalidArgument(f"empty chunk for {key.hex()}")
-        slot = self._allocate(src.nbytes)
-        if slot is None and self.delete(key):
-            slot = self._allocate(src.nbytes)
-        if slot is None:
-            return False
-        self._bytes(slot).copy_(_host_tensor(src))
-        with self._lock:
-            old = self._slots.get(key)
-            self._slots[key] = slot
-            if old is not None:
-                self._reads.release(old)
-        return True
+        return super().put(key, data)
 
-    def _allocate(self, nbytes: int) -> Slot | None:
+    def _take(self, nbytes: int) -> Slot | None:
         with self._lock:
             offset = self._alloc.allocate(nbytes)
         return None if offset is None else Slot(offset, nbytes)
 
-    def read_into(self, key: ChunkKey, out: memoryview) -> bool:
-        with self._lock:
-            slot = self._slots.get(key)
-            if slot is None:
-                return False
-            if out.nbytes != slot.length:
-                raise InvalidArgument(
-                    f"read buffer is {out.nbytes} bytes, chunk {key.hex()} is {slot.length}"
-                )
-            self._reads.begin(slot)
-        try:
-            _host_tensor(out.cast("B")).copy_(self._bytes(slot))
-        finally:
-            self._end_read(slot)
-        return True
+    def _find(self, key: ChunkKey) -> Slot | None:
+        return self._slots.get(key)
 
-    def _end_read(self, slot: Slot) -> None:
-        with self._lock:
-            self._reads.end(slot)
+    def _set(self, key: ChunkKey, slot: Slot) -> Slot | None:
+        old = self._slots.get(key)
+        self._slots[key] = slot
+        return old
+
+    def _copy_in(self, slot: Slot, src: memoryview) -> None:
+        self._bytes(slot).copy_(_host_tensor(src))
+
+    def _copy_out(self, slot: Slot, out: memoryview) -> None:
+        _host_tensor(out.cast("B")).copy_(self._bytes(slot))
 
     def _free_slot(self, slot: Slot) -> None:
         self._alloc.free(slot.offset, slot.length)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from lmcache_svc.tiers.base import Slot
-from lmcache_svc.tiers.read_pins import ReadPins
+from lmcache_svc.tiers.own_slots import ReadPins
 
 
 def make_pins() -> tuple[ReadPins, list[Slot]]:
