@@ -10,14 +10,15 @@ from typing import Annotated
 
 from fastapi import Depends, Path, Request, Response
 from fastapi.responses import JSONResponse
-from starlette.requests import ClientDisconnect
 
 from lmcache_svc.errors import InvalidArgument, NoSpace, NotFound, PayloadTooLarge, SizeMismatch
 from lmcache_svc.keys import ChunkHash, Namespace, parse_chunk_hash
-from lmcache_svc.server.http_edge import content_length, error_response
+from lmcache_svc.server.http_edge import content_length, error_response, read_body
 from lmcache_svc.server.http_models import (
+    BINARY_CONTENT,
     CHUNK_HASH_PATTERN,
     NAMESPACE_ID_PATTERN,
+    OCTET_STREAM,
     LookupRequest,
     LookupResponse,
     StoreResponse,
@@ -33,9 +34,7 @@ from lmcache_svc.server.http_routing import (
 )
 
 TIER_HEADER = "X-LMCache-Tier"
-OCTET_STREAM = "application/octet-stream"
 _CHUNK_PATH = "/v1/chunks/{namespace_id}/{chunk_hash}"
-_BINARY = {OCTET_STREAM: {"schema": {"type": "string", "format": "binary"}}}
 
 ROUTES = RouteTable()
 
@@ -89,14 +88,7 @@ async def _chunk_body(request: Request, state: State, target: Target) -> bytearr
     declared = content_length(request.headers)
     if declared is not None and declared != expected:
         raise _size_mismatch(ns, f"{declared} bytes (Content-Length)")
-    body = bytearray()
-    try:
-        async for part in request.stream():
-            body += part
-            if len(body) > expected:
-                raise _size_mismatch(ns, f"at least {len(body)} bytes")
-    except ClientDisconnect:
-        raise InvalidArgument("the client went away before sending the whole body") from None
+    body = await read_body(request, expected, lambda got: _size_mismatch(ns, got))
     if len(body) != expected:
         raise _size_mismatch(ns, f"{len(body)} bytes")
     return body
@@ -120,7 +112,7 @@ def _size_mismatch(ns: Namespace, got: str) -> SizeMismatch:
         200: {"model": StoreResponse, "description": "Already stored"},
         **error_responses(400, 404, 409, 413, 507),
     },
-    openapi_extra={"requestBody": {"required": True, "content": _BINARY}},
+    openapi_extra={"requestBody": {"required": True, "content": BINARY_CONTENT}},
 )
 def put_chunk(
     request: Request,
@@ -152,7 +144,7 @@ def put_chunk(
     response_class=Response,
     responses={
         200: {
-            "content": _BINARY,
+            "content": BINARY_CONTENT,
             "description": f"Chunk bytes; {TIER_HEADER}: the tier it came from",
         },
         **error_responses(400, 404),
