@@ -13,7 +13,6 @@ and for arenas up to 16 GiB the packed int stays under 2^60 (a 32-byte Python in
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
 
 from lmcache_svc.arena import Arena
 from lmcache_svc.keys import ChunkKey
@@ -60,10 +59,6 @@ class CpuTier(OwnSlotsTier, SlotTier):
     def used_bytes(self) -> int:
         """Bytes taken from the arena (size classes), slots still being read included."""
         return self._arena.used_bytes
-
-    @property
-    def num_chunks(self) -> int:
-        return len(self._slots)
 
     def allocate(self, key: ChunkKey, nbytes: int) -> Slot | None:
         with self._lock:
@@ -112,10 +107,6 @@ class CpuTier(OwnSlotsTier, SlotTier):
             freed = self._arena.class_bytes_of(slot)
             self._reads.release(slot)
         return freed
-
-    def contains_many(self, keys: Sequence[ChunkKey]) -> list[bool]:
-        slots = self._slots
-        return [key in slots for key in keys]
 
     def slot_of(self, key: ChunkKey) -> Slot | None:
         packed = self._slots.get(key)

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import threading
 import warnings
-from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from lmcache_svc.errors import ConfigError, InvalidArgument
@@ -96,10 +95,6 @@ class HbmTier(OwnSlotsTier):
     def used_bytes(self) -> int:
         return self._alloc.used_bytes
 
-    @property
-    def num_chunks(self) -> int:
-        return len(self._slots)
-
     def _bytes(self, slot: Slot) -> torch.Tensor:
         if self._pool is None:
             raise RuntimeError(f"tier {self.name!r} is closed")
@@ -144,10 +139,6 @@ class HbmTier(OwnSlotsTier):
             freed = self._alloc.class_bytes_of(slot.offset) or 0
             self._reads.release(slot)
         return freed
-
-    def contains_many(self, keys: Sequence[ChunkKey]) -> list[bool]:
-        slots = self._slots
-        return [key in slots for key in keys]
 
     def slot_of(self, key: ChunkKey) -> Slot | None:
         """Where the chunk lies in the exported pool (for engines that mapped it)."""

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import threading
 from abc import abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from lmcache_svc.errors import InvalidArgument
 from lmcache_svc.keys import ChunkKey
@@ -53,11 +54,22 @@ class ReadPins:
 
 
 class OwnSlotsTier(Tier):
-    """``put`` and ``read_into`` over the hooks a tier with its own slots provides. The
-    tier sets ``_lock`` (guards the index and ``_reads``) and ``_reads`` in ``__init__``."""
+    """``put``, ``read_into`` and the index queries over the hooks a tier with its own slots
+    provides. The tier sets ``_lock`` (guards the index and ``_reads``), ``_slots`` (its
+    index: key to the slot, in whatever form the tier keeps it) and ``_reads`` in
+    ``__init__``."""
 
     _lock: threading.Lock
+    _slots: dict[ChunkKey, Any]
     _reads: ReadPins
+
+    @property
+    def num_chunks(self) -> int:
+        return len(self._slots)
+
+    def contains_many(self, keys: Sequence[ChunkKey]) -> list[bool]:
+        slots = self._slots
+        return [key in slots for key in keys]
 
     @abstractmethod
     def _take(self, nbytes: int) -> Slot | None:
