@@ -2,7 +2,8 @@
 
 A client's store pool (``lmcache_svc/store_pool.py``) reserves slots under random
 placeholder chunk hashes before it knows what it will write; ``bind_store`` then commits
-each written slot under the chunk it now holds (docs/architecture.md, "store pool").
+each written slot under the chunk it now holds (docs/architecture.md, "Policy": "Slots
+reserved ahead").
 """
 
 from __future__ import annotations
