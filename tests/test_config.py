@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from lmcache_svc.cache.values import TierPolicy
 from lmcache_svc.config import load_config
 from lmcache_svc.errors import ConfigError
 
@@ -100,3 +101,21 @@ def test_every_setting_is_documented() -> None:
 
     missing = [k for k in keys(Config) if f"| `{k}` |" not in docs]
     assert not missing, f"undocumented settings in docs/configuration.md: {missing}"
+
+
+def test_tier_policies_come_from_their_sections() -> None:
+    cfg = load_config(
+        env={
+            "LMCACHE_SVC_REDIS__BREAKER_BACKOFF_S": "2",
+            "LMCACHE_SVC_REDIS__BREAKER_MAX_BACKOFF_S": "40",
+            "LMCACHE_SVC_REDIS__SLOW_CALL_S": "3",
+            "LMCACHE_SVC_REDIS__ACCEPT_DEMOTIONS": "false",
+            "LMCACHE_SVC_SSD__WRITE_THROUGH": "true",
+            "LMCACHE_SVC_HBM__ACCEPT_DEMOTIONS": "false",
+        }
+    )
+    assert TierPolicy.from_config(cfg.redis) == TierPolicy(
+        accept_demotions=False, write_through=True, backoff_s=2, max_backoff_s=40, slow_call_s=3
+    )
+    assert TierPolicy.from_config(cfg.ssd) == TierPolicy(accept_demotions=True, write_through=True)
+    assert TierPolicy.from_config(cfg.hbm) == TierPolicy(accept_demotions=False)

@@ -1,10 +1,12 @@
 """Plain values that configure and describe the tiered cache: how it uses a lower tier, and
-the results of its calls (no behaviour here; its settings are ``settings.CacheSettings``)."""
+the results of its calls (no behaviour here beyond deriving a ``TierPolicy`` from its tier's
+configuration section; the cache's settings are ``settings.CacheSettings``)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from lmcache_svc.config import HbmConfig, RedisConfig, SsdConfig
 from lmcache_svc.keys import ChunkHash
 from lmcache_svc.results import LookupResult as LookupResult  # the cache's lookup answer
 from lmcache_svc.results import StoreStatus
@@ -27,6 +29,22 @@ class TierPolicy:
     slow_call_s: float = 1.0
     """A lookup-sized call (presence, size, delete) in flight this long marks the tier down
     for every other caller (a hung backend raises nothing until its socket timeout)."""
+
+    @classmethod
+    def from_config(cls, section: HbmConfig | SsdConfig | RedisConfig) -> TierPolicy:
+        """The policy of the lower tier that ``section`` configures: its ``accept_demotions``
+        and ``write_through`` (HBM has none: never), and Redis's circuit-breaker limits (the
+        other tiers keep the defaults)."""
+        if isinstance(section, RedisConfig):
+            return cls(
+                section.accept_demotions,
+                section.write_through,
+                backoff_s=section.breaker_backoff_s,
+                max_backoff_s=section.breaker_max_backoff_s,
+                slow_call_s=section.slow_call_s,
+            )
+        write_through = section.write_through if isinstance(section, SsdConfig) else False
+        return cls(section.accept_demotions, write_through)
 
 
 @dataclass(frozen=True, slots=True)

@@ -57,13 +57,13 @@ def build_cache(config: Config) -> TieredCache:
 
             pool = DevicePool.allocate(int(h.capacity), h.device)  # ConfigError without CUDA
             hbm = HbmTier(pool, slab_bytes=h.slab_bytes())
-            lower.append((hbm, TierPolicy(h.accept_demotions, write_through=False)))
+            lower.append((hbm, TierPolicy.from_config(h)))
         s = config.ssd
         if s.path is not None:
             from lmcache_svc.tiers.ssd import SsdTier
 
             ssd = SsdTier(s.path, int(s.capacity), fsync=s.fsync, o_direct=s.o_direct)
-            lower.append((ssd, TierPolicy(s.accept_demotions, s.write_through)))
+            lower.append((ssd, TierPolicy.from_config(s)))
         r = config.redis
         if r.url is not None:
             from lmcache_svc.tiers.redis import RedisTier
@@ -77,14 +77,7 @@ def build_cache(config: Config) -> TieredCache:
                 key_prefix=r.key_prefix,
                 timeout_s=r.timeout_s,
             )
-            policy = TierPolicy(
-                r.accept_demotions,
-                r.write_through,
-                backoff_s=r.breaker_backoff_s,
-                max_backoff_s=r.breaker_max_backoff_s,
-                slow_call_s=r.slow_call_s,
-            )
-            lower.append((redis, policy))
+            lower.append((redis, TierPolicy.from_config(r)))
     except BaseException:
         arena.close()
         for made, _ in lower:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,10 +28,17 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 from starlette.routing import Match, Router
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from lmcache_svc.errors import BodyTimeout, LMCacheSvcError, PayloadTooLarge, Unauthenticated
+from lmcache_svc.errors import (
+    BodyTimeout,
+    InvalidArgument,
+    LMCacheSvcError,
+    PayloadTooLarge,
+    Unauthenticated,
+)
 from lmcache_svc.metrics import Metrics
 from lmcache_svc.server.auth import OPEN, Principal
 from lmcache_svc.server.http_models import ErrorResponse
@@ -73,6 +81,22 @@ def principal(scope: Scope) -> Principal:
 def content_length(headers: Headers) -> int | None:
     value = headers.get("content-length")
     return int(value) if value is not None and value.isascii() and value.isdigit() else None
+
+
+async def read_body(
+    request: Request, limit: int, too_long: Callable[[str], LMCacheSvcError]
+) -> bytearray:
+    """The whole request body, refused with ``too_long(what was read)`` as soon as it
+    exceeds ``limit`` bytes; a client gone mid-body is an ``InvalidArgument``."""
+    body = bytearray()
+    try:
+        async for part in request.stream():
+            body += part
+            if len(body) > limit:
+                raise too_long(f"at least {len(body)} bytes")
+    except ClientDisconnect:
+        raise InvalidArgument("the client went away before sending the whole body") from None
+    return body
 
 
 def error_response(

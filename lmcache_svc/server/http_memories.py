@@ -16,17 +16,14 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
 from pydantic.json_schema import JsonDict
 from starlette.concurrency import run_in_threadpool
-from starlette.requests import ClientDisconnect
 
-from lmcache_svc.errors import InvalidArgument, NotFound, PayloadTooLarge
+from lmcache_svc.errors import NotFound, PayloadTooLarge
 from lmcache_svc.memories.format import MemoryInfo
 from lmcache_svc.memories.store import MemoryStore
-from lmcache_svc.server.http_edge import content_length, principal
-from lmcache_svc.server.http_models import error_responses
+from lmcache_svc.server.http_edge import content_length, principal, read_body
+from lmcache_svc.server.http_models import BINARY_CONTENT, OCTET_STREAM, error_responses
 from lmcache_svc.server.tenancy import caller_tenant
 
-OCTET_STREAM = "application/octet-stream"
-_BINARY = {OCTET_STREAM: {"schema": {"type": "string", "format": "binary"}}}
 _ITEM_PATH = "/v1/memories/{memory_id}"
 _TAGS: list[str | Any] = ["memories"]
 _UUID_PATTERN = "^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$"
@@ -81,15 +78,7 @@ async def _memory_body(request: Request, store: Store) -> bytearray:
     declared = content_length(request.headers)
     if declared is not None and declared > store.max_bytes:
         raise _too_large(f"{declared} bytes (Content-Length)", store.max_bytes)
-    body = bytearray()
-    try:
-        async for part in request.stream():
-            body += part
-            if len(body) > store.max_bytes:
-                raise _too_large(f"at least {len(body)} bytes", store.max_bytes)
-    except ClientDisconnect:
-        raise InvalidArgument("the client went away before sending the whole body") from None
-    return body
+    return await read_body(request, store.max_bytes, lambda got: _too_large(got, store.max_bytes))
 
 
 def _too_large(got: str, limit: int) -> PayloadTooLarge:
@@ -144,7 +133,7 @@ _ROUTES: list[tuple[str, str, Any, dict[str, Any]]] = [
                 200: {"model": MemoryModel, "description": "Already stored with these bytes"},
                 **error_responses(400, 409, 413, 507),
             },
-            "openapi_extra": {"requestBody": {"required": True, "content": _BINARY}},
+            "openapi_extra": {"requestBody": {"required": True, "content": BINARY_CONTENT}},
         },
     ),
     ("GET", "/v1/memories", list_memories, {"summary": "The caller's memories"}),
@@ -156,7 +145,7 @@ _ROUTES: list[tuple[str, str, Any, dict[str, Any]]] = [
             "summary": "A memory's safetensors bytes",
             "response_class": Response,
             "responses": {
-                200: {"content": _BINARY, "description": "The blob as stored"},
+                200: {"content": BINARY_CONTENT, "description": "The blob as stored"},
                 **error_responses(400, 404),
             },
         },

@@ -142,6 +142,11 @@ class ErrorResponse(BaseModel):
     detail: list[dict[str, Any]] | None = Field(None, description="validation errors (422)")
 
 
+OCTET_STREAM = "application/octet-stream"
+BINARY_CONTENT = {OCTET_STREAM: {"schema": {"type": "string", "format": "binary"}}}
+"""OpenAPI ``content`` of a raw-bytes body (chunks, memories)."""
+
+
 def error_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
     """OpenAPI ``responses`` entries for these error statuses (422 always included)."""
     return {s: {"model": ErrorResponse} for s in (*statuses, 422)}

@@ -2,8 +2,8 @@
 
 Same-host clients map the arena (``segment()``) and copy into or out of slots in place; the
 server copies for inline transfers through ``put`` and ``read_into``. A slot being read is
-pinned: deleting or replacing its key meanwhile frees it only when the last read ends, so a
-reader never sees a slot reused under it.
+pinned (``own_slots.ReadPins``): deleting or replacing its key meanwhile frees it only when
+the last read ends, so a reader never sees a slot reused under it.
 
 The index holds each slot as one int (page number and length packed), not a ``Slot``
 object: an index of millions of chunks is the server's main memory cost beyond the payloads,
@@ -13,13 +13,12 @@ and for arenas up to 16 GiB the packed int stays under 2^60 (a 32-byte Python in
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
 
 from lmcache_svc.arena import Arena
-from lmcache_svc.errors import InvalidArgument
 from lmcache_svc.keys import ChunkKey
 from lmcache_svc.slab import ALIGN
-from lmcache_svc.tiers.base import Buffer, SegmentInfo, Slot, SlotTier
+from lmcache_svc.tiers.base import SegmentInfo, Slot, SlotTier
+from lmcache_svc.tiers.own_slots import OwnSlotsTier, ReadPins
 
 
 class _SlotPacker:
@@ -38,7 +37,7 @@ class _SlotPacker:
         return Slot((packed >> self.length_bits) * ALIGN, packed & self.length_mask)
 
 
-class CpuTier(SlotTier):
+class CpuTier(OwnSlotsTier, SlotTier):
     """A ``SlotTier`` over an ``Arena``, which it owns: ``close`` closes the arena. Thread-safe."""
 
     medium = "host_memory"
@@ -50,8 +49,7 @@ class CpuTier(SlotTier):
         self._lock = threading.Lock()
         self._slots: dict[ChunkKey, int] = {}  # packed slots
         self._packer = _SlotPacker(arena.capacity_bytes)
-        self._num_readers: dict[Slot, int] = {}
-        self._orphans: set[Slot] = set()  # dropped from the index while being read
+        self._reads = ReadPins(self._arena.free)
 
     @property
     def arena(self) -> Arena:
@@ -61,10 +59,6 @@ class CpuTier(SlotTier):
     def used_bytes(self) -> int:
         """Bytes taken from the arena (size classes), slots still being read included."""
         return self._arena.used_bytes
-
-    @property
-    def num_chunks(self) -> int:
-        return len(self._slots)
 
     def allocate(self, key: ChunkKey, nbytes: int) -> Slot | None:
         with self._lock:
@@ -81,54 +75,23 @@ class CpuTier(SlotTier):
                 raise RuntimeError(f"tier {self.name!r}: key {new.hex()} already has a slot")
             self._slots[new] = self._slots.pop(old)
 
-    def put(self, key: ChunkKey, data: Buffer) -> bool:
-        """Store ``data``; when the arena is full, an old value of ``key`` is dropped first."""
-        src = memoryview(data).cast("B")
-        slot = self._arena.allocate(src.nbytes)
-        if slot is None and self.delete(key):
-            slot = self._arena.allocate(src.nbytes)
-        if slot is None:
-            return False
+    def _take(self, nbytes: int) -> Slot | None:
+        return self._arena.allocate(nbytes)
+
+    def _find(self, key: ChunkKey) -> Slot | None:
+        packed = self._slots.get(key)
+        return None if packed is None else self._packer.unpack(packed)
+
+    def _set(self, key: ChunkKey, slot: Slot) -> Slot | None:
+        old = self._slots.get(key)
+        self._slots[key] = self._packer.pack(slot)
+        return None if old is None else self._packer.unpack(old)
+
+    def _copy_in(self, slot: Slot, src: memoryview) -> None:
         self._arena.view(slot)[:] = src
-        with self._lock:
-            old = self._slots.get(key)
-            self._slots[key] = self._packer.pack(slot)
-            if old is not None:
-                self._release(self._packer.unpack(old))
-        return True
 
-    def read_into(self, key: ChunkKey, out: memoryview) -> bool:
-        with self._lock:
-            packed = self._slots.get(key)
-            if packed is None:
-                return False
-            slot = self._packer.unpack(packed)
-            if out.nbytes != slot.length:
-                raise InvalidArgument(
-                    f"read buffer is {out.nbytes} bytes, chunk {key.hex()} is {slot.length}"
-                )
-            self._num_readers[slot] = self._num_readers.get(slot, 0) + 1
-        try:
-            out.cast("B")[:] = self._arena.view(slot)
-        finally:
-            self._end_read(slot)
-        return True
-
-    def _end_read(self, slot: Slot) -> None:
-        with self._lock:
-            left = self._num_readers.pop(slot) - 1
-            if left:
-                self._num_readers[slot] = left
-            elif slot in self._orphans:
-                self._orphans.remove(slot)
-                self._arena.free(slot)
-
-    def _release(self, slot: Slot) -> None:
-        """Free a slot dropped from the index, or defer it to its last reader. Lock held."""
-        if slot in self._num_readers:
-            self._orphans.add(slot)
-        else:
-            self._arena.free(slot)
+    def _copy_out(self, slot: Slot, out: memoryview) -> None:
+        out.cast("B")[:] = self._arena.view(slot)
 
     def size_of(self, key: ChunkKey) -> int | None:
         packed = self._slots.get(key)
@@ -142,12 +105,8 @@ class CpuTier(SlotTier):
                 return 0
             slot = self._packer.unpack(packed)
             freed = self._arena.class_bytes_of(slot)
-            self._release(slot)
+            self._reads.release(slot)
         return freed
-
-    def contains_many(self, keys: Sequence[ChunkKey]) -> list[bool]:
-        slots = self._slots
-        return [key in slots for key in keys]
 
     def slot_of(self, key: ChunkKey) -> Slot | None:
         packed = self._slots.get(key)
@@ -163,6 +122,5 @@ class CpuTier(SlotTier):
     def close(self) -> None:
         with self._lock:
             self._slots.clear()
-            self._num_readers.clear()
-            self._orphans.clear()
+            self._reads.clear()
         self._arena.close()

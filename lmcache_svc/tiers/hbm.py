@@ -11,21 +11,21 @@ it is ``slot_of(key)``: an engine that maps the pool copies a hit device to devi
 ``DevicePool`` is the allocator seam: ``DevicePool.allocate`` makes the CUDA buffer (after
 ``require_cuda``); tests hand in a CPU tensor, which exercises all of the tier but IPC.
 
-A slot being read is pinned, as in the CPU tier: deleting or replacing its key meanwhile
-frees it when the last read ends.
+A slot being read is pinned, as in the CPU tier (``own_slots.ReadPins``): deleting or
+replacing its key meanwhile frees it when the last read ends.
 """
 
 from __future__ import annotations
 
 import threading
 import warnings
-from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from lmcache_svc.errors import ConfigError, InvalidArgument
 from lmcache_svc.keys import ChunkKey
 from lmcache_svc.slab import SlabAllocator
-from lmcache_svc.tiers.base import Buffer, Slot, Tier
+from lmcache_svc.tiers.base import Buffer, Slot
+from lmcache_svc.tiers.own_slots import OwnSlotsTier, ReadPins
 
 if TYPE_CHECKING:
     import torch
@@ -77,7 +77,7 @@ class DevicePool:
         return export_handle(self.buffer)
 
 
-class HbmTier(Tier):
+class HbmTier(OwnSlotsTier):
     """A ``Tier`` over a ``DevicePool``, which it owns. Thread-safe."""
 
     medium = "device"
@@ -89,16 +89,11 @@ class HbmTier(Tier):
         self._alloc = SlabAllocator(0, pool.nbytes, slab_bytes)
         self._lock = threading.Lock()
         self._slots: dict[ChunkKey, Slot] = {}
-        self._num_readers: dict[Slot, int] = {}
-        self._orphans: set[Slot] = set()
+        self._reads = ReadPins(self._free_slot)
 
     @property
     def used_bytes(self) -> int:
         return self._alloc.used_bytes
-
-    @property
-    def num_chunks(self) -> int:
-        return len(self._slots)
 
     def _bytes(self, slot: Slot) -> torch.Tensor:
         if self._pool is None:
@@ -106,58 +101,31 @@ class HbmTier(Tier):
         return self._pool.buffer[slot.offset : slot.offset + slot.length]
 
     def put(self, key: ChunkKey, data: Buffer) -> bool:
-        src = memoryview(data).cast("B")
-        if not src.nbytes:
+        if not memoryview(data).nbytes:
             raise InvalidArgument(f"empty chunk for {key.hex()}")
-        slot = self._allocate(src.nbytes)
-        if slot is None and self.delete(key):
-            slot = self._allocate(src.nbytes)
-        if slot is None:
-            return False
-        self._bytes(slot).copy_(_host_tensor(src))
-        with self._lock:
-            old = self._slots.get(key)
-            self._slots[key] = slot
-            if old is not None:
-                self._release(old)
-        return True
+        return super().put(key, data)
 
-    def _allocate(self, nbytes: int) -> Slot | None:
+    def _take(self, nbytes: int) -> Slot | None:
         with self._lock:
             offset = self._alloc.allocate(nbytes)
         return None if offset is None else Slot(offset, nbytes)
 
-    def read_into(self, key: ChunkKey, out: memoryview) -> bool:
-        with self._lock:
-            slot = self._slots.get(key)
-            if slot is None:
-                return False
-            if out.nbytes != slot.length:
-                raise InvalidArgument(
-                    f"read buffer is {out.nbytes} bytes, chunk {key.hex()} is {slot.length}"
-                )
-            self._num_readers[slot] = self._num_readers.get(slot, 0) + 1
-        try:
-            _host_tensor(out.cast("B")).copy_(self._bytes(slot))
-        finally:
-            self._end_read(slot)
-        return True
+    def _find(self, key: ChunkKey) -> Slot | None:
+        return self._slots.get(key)
 
-    def _end_read(self, slot: Slot) -> None:
-        with self._lock:
-            left = self._num_readers.pop(slot) - 1
-            if left:
-                self._num_readers[slot] = left
-            elif slot in self._orphans:
-                self._orphans.remove(slot)
-                self._alloc.free(slot.offset, slot.length)
+    def _set(self, key: ChunkKey, slot: Slot) -> Slot | None:
+        old = self._slots.get(key)
+        self._slots[key] = slot
+        return old
 
-    def _release(self, slot: Slot) -> None:
-        """Free a slot dropped from the index, or defer it to its last reader. Lock held."""
-        if slot in self._num_readers:
-            self._orphans.add(slot)
-        else:
-            self._alloc.free(slot.offset, slot.length)
+    def _copy_in(self, slot: Slot, src: memoryview) -> None:
+        self._bytes(slot).copy_(_host_tensor(src))
+
+    def _copy_out(self, slot: Slot, out: memoryview) -> None:
+        _host_tensor(out.cast("B")).copy_(self._bytes(slot))
+
+    def _free_slot(self, slot: Slot) -> None:
+        self._alloc.free(slot.offset, slot.length)
 
     def size_of(self, key: ChunkKey) -> int | None:
         slot = self._slots.get(key)
@@ -169,12 +137,8 @@ class HbmTier(Tier):
             if slot is None:
                 return 0
             freed = self._alloc.class_bytes_of(slot.offset) or 0
-            self._release(slot)
+            self._reads.release(slot)
         return freed
-
-    def contains_many(self, keys: Sequence[ChunkKey]) -> list[bool]:
-        slots = self._slots
-        return [key in slots for key in keys]
 
     def slot_of(self, key: ChunkKey) -> Slot | None:
         """Where the chunk lies in the exported pool (for engines that mapped it)."""
@@ -188,8 +152,7 @@ class HbmTier(Tier):
     def close(self) -> None:
         with self._lock:
             self._slots.clear()
-            self._num_readers.clear()
-            self._orphans.clear()
+            self._reads.clear()
             self._pool = None  # the device memory goes back to torch's allocator
 
 

@@ -61,7 +61,8 @@ def test_a_slot_being_read_is_not_reused_until_the_read_ends() -> None:
     tier.put(make_key(1), make_chunk("a"))
     slot = tier.slot_of(make_key(1))
     assert slot is not None
-    tier._num_readers[slot] = 1  # a read_into in flight, as read_into counts it
+    with tier._lock:
+        tier._reads.begin(slot)  # a read_into in flight, as read_into counts it
     assert tier.delete(make_key(1)) == CHUNK
     assert not tier.put(make_key(2), make_chunk("b"))  # the slot is still being read
     tier._end_read(slot)

@@ -1,0 +1,82 @@
+"""The tiered cache's load path: pin the longest available prefix under a lease
+(``prepare_load``, promoting from lower tiers), unpin it (``release_load``); the inline
+``get``. A pinned chunk is never evicted, demoted or freed."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from lmcache_svc.cache.core import CacheCore
+from lmcache_svc.cache.values import LeasedSlots
+from lmcache_svc.keys import ChunkKey
+
+
+class LoadPath(CacheCore):
+    def prepare_load(
+        self,
+        namespace_id: bytes,
+        chunk_hashes: Sequence[bytes],
+        *,
+        session_id: str | None = None,
+        ttl_s: float | None = None,
+        verify: bool = False,
+    ) -> LeasedSlots:
+        """Pin the longest available prefix in the first tier, promoting from lower tiers;
+        with ``verify``, only the leading chunks whose bytes match their checksums."""
+        keys = self._keys(namespace_id, chunk_hashes)
+        nbytes = self.namespace(namespace_id).chunk_bytes
+        # Checked before anything is pinned: a bad ttl must not leave pins behind.
+        s = self.settings
+        deadline = self._sessions.deadline(ttl_s, s.lease_ttl_s, s.max_lease_ttl_s)
+        pinned: list[ChunkKey] = []
+        sources: list[str] = []
+        with self._lock:
+            for key in keys:
+                if not self._index.readable(key):
+                    break
+                self._index.pin(key)
+                self._index.touch(key)
+                pinned.append(key)
+                sources.append(self._first.name)
+        if len(pinned) < len(keys):
+            promoted, promoted_from = self._first_tier.promote(keys[len(pinned) :], nbytes)
+            self._checksummer.submit(promoted)
+            pinned += promoted
+            sources += promoted_from
+        if verify:
+            pinned, sources = self._verified(pinned, sources)
+        if not pinned:
+            return LeasedSlots(None)
+        with self._lock:
+            lease_id = self._sessions.grant(pinned, session_id, deadline)
+            slots = [self._index.slot_of(k) for k in pinned]
+        for slot, name in zip(slots, sources):
+            self.metrics.bytes_read.labels(tier=name).inc(slot.length)
+        return LeasedSlots(lease_id, slots, sources)
+
+    def _verified(
+        self, pinned: list[ChunkKey], sources: list[str]
+    ) -> tuple[list[ChunkKey], list[str]]:
+        """The intact prefix of pinned chunks; the rest are unpinned (a corrupted one is
+        dropped, so a later load may promote a good copy from a lower tier)."""
+        num = self._first_tier.verified_prefix(pinned)
+        with self._lock:
+            for key in pinned[num:]:
+                self._first_tier.unpin(key)
+        return pinned[:num], sources[:num]
+
+    def release_load(self, lease_id: str) -> bool:
+        return self._sessions.release(lease_id)
+
+    def get(
+        self, namespace_id: bytes, chunk_hash: bytes, *, verify: bool = False
+    ) -> tuple[bytes, str] | None:
+        """One chunk's bytes and the tier it was found in, or None (with ``verify``, also
+        when its bytes differ from its checksum: the chunk is then dropped)."""
+        lease = self.prepare_load(namespace_id, [chunk_hash], verify=verify)
+        if lease.lease_id is None:
+            return None
+        try:
+            return bytes(self._first.view(lease.slots[0])), lease.source_tiers[0]
+        finally:
+            self.release_load(lease.lease_id)

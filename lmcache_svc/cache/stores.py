@@ -1,0 +1,176 @@
+"""The tiered cache's store path: reserve slots (``prepare_store``), publish them
+(``commit_store``) or give them back (``abort_store``); the inline ``put``; a server-side
+writer's ``renew_store``; and ``delete`` from every tier.
+
+A reservation is owned by a session (or a session-less caller) and has a deadline; one
+owner holds at most ``max_reserved_fraction`` of the first tier. Past its deadline a
+reservation is quarantined, never reused while its writer may still write: a late commit
+publishes nothing (it answers 0 and frees the slot). A commit queues the chunks' checksums
+and write-through copies and wakes maintenance above the high watermark.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from collections.abc import Sequence
+
+from lmcache_svc.cache.chunk_index import Entry
+from lmcache_svc.cache.core import CacheCore
+from lmcache_svc.cache.values import PreparedStore, StoreStatus
+from lmcache_svc.errors import ReservationExpired, ReservationLimit, SizeMismatch
+from lmcache_svc.keys import ChunkHash, ChunkKey, make_chunk_keys
+from lmcache_svc.tiers.base import Buffer, Slot
+
+
+class StorePath(CacheCore):
+    def prepare_store(
+        self,
+        namespace_id: bytes,
+        chunk_hashes: Sequence[bytes],
+        *,
+        session_id: str | None = None,
+        ttl_s: float | None = None,
+    ) -> list[PreparedStore]:
+        keys = self._keys(namespace_id, chunk_hashes)
+        nbytes = self.namespace(namespace_id).chunk_bytes
+        s = self.settings
+        deadline = self._sessions.deadline(ttl_s, s.reservation_ttl_s, s.max_reservation_ttl_s)
+        self._check_reservation_limit(session_id, len(keys), nbytes)
+        out: list[PreparedStore] = []
+        for key, h in zip(keys, chunk_hashes):
+            status, slot = self._reserve(key, nbytes, session_id, deadline)
+            out.append(PreparedStore(ChunkHash(bytes(h)), status, slot))
+        self._update_pending()
+        return out
+
+    def _check_reservation_limit(self, owner: str | None, num: int, chunk_bytes: int) -> None:
+        """An owner holds at most its share of the first tier reserved (one chunk always)."""
+        limit = int(self.settings.max_reserved_fraction * self._first.capacity_bytes)
+        nbytes = num * chunk_bytes
+        with self._lock:
+            held = self._index.owned_bytes(owner)
+        if held + nbytes > max(limit, chunk_bytes):
+            who = f"session {owner!r}" if owner else "session-less callers"
+            raise ReservationLimit(
+                f"{who} would hold {held + nbytes} bytes reserved (expired reservations not "
+                f"yet committed or aborted included); the limit is {limit} bytes "
+                f"(cache.max_reserved_fraction of the first tier): commit or abort first"
+            )
+
+    def _reserve(
+        self, key: ChunkKey, nbytes: int, owner: str | None, deadline: float
+    ) -> tuple[StoreStatus, Slot | None]:
+        with self._lock:
+            if self._index.readable(key):
+                self._index.touch(key)
+                return "already_stored", None
+            if self._index.busy(key):  # reserved, promoting, deleted while pinned, demoting
+                return "in_progress", None
+            if self._lower.local_tier(key) is not None:
+                return "already_stored", None
+        slot = self._first_tier.allocate(key, nbytes, owner, deadline)
+        return ("reserved", slot) if slot is not None else ("no_space", None)
+
+    def commit_store(
+        self, namespace_id: bytes, chunk_hashes: Sequence[bytes], *, session_id: str | None = None
+    ) -> int:
+        return self._commit_keys(self._keys(namespace_id, chunk_hashes), session_id)
+
+    def _live_reservation(self, key: ChunkKey, owner: str | None) -> Entry | None:
+        """``owner``'s reservation of ``key`` while it may still be committed; one past its
+        deadline is freed (its slot may have been rewritten) and None returned. Lock held."""
+        entry = self._index.entry(key)
+        if entry is None or entry.ready or entry.doomed or entry.owner != owner:
+            return None
+        if entry.expired or entry.deadline <= time.monotonic():
+            if entry.pins == 0:
+                self._first_tier.free(key)
+            return None
+        return entry
+
+    def _commit_keys(self, keys: Sequence[ChunkKey], session_id: str | None) -> int:
+        committed: list[ChunkKey] = []
+        with self._lock:
+            for key in keys:
+                entry = self._live_reservation(key, session_id)
+                if entry is None:
+                    continue
+                self._index.mark_ready(key, entry)
+                self._index.touch(key)
+                self.metrics.bytes_written.labels(tier=self._first.name).inc(entry.slot.length)
+                committed.append(key)
+        self._update_pending()
+        self._checksummer.submit(committed)
+        self._write_through.submit(committed)
+        self._wake_if_above_watermark()
+        return len(committed)
+
+    def abort_store(
+        self, namespace_id: bytes, chunk_hashes: Sequence[bytes], *, session_id: str | None = None
+    ) -> int:
+        keys = self._keys(namespace_id, chunk_hashes)
+        with self._lock:
+            owned = [
+                k
+                for k in keys
+                if (e := self._index.entry(k)) and not e.ready and e.owner == session_id
+            ]
+        return self._abort_keys(owned)
+
+    def put(self, namespace_id: bytes, chunk_hash: bytes, data: Buffer) -> str:
+        """Store one chunk given inline; returns the prepare status ('reserved' = stored)."""
+        ns = self.namespace(namespace_id)
+        if len(data) != ns.chunk_bytes:
+            raise SizeMismatch(
+                f"chunk is {len(data)} bytes; namespace {ns.namespace_id.hex()} stores chunks "
+                f"of exactly {ns.chunk_bytes} bytes"
+            )
+        owner = f"put-{secrets.token_hex(6)}"
+        (prepared,) = self.prepare_store(namespace_id, [chunk_hash], session_id=owner)
+        if prepared.slot is not None:
+            try:
+                self._first.view(prepared.slot)[:] = data
+            except BaseException:
+                self.abort_store(namespace_id, [chunk_hash], session_id=owner)
+                raise
+            if not self.commit_store(namespace_id, [chunk_hash], session_id=owner):
+                raise ReservationExpired(
+                    f"chunk {bytes(chunk_hash).hex()} was not stored: its reservation expired"
+                )
+        return prepared.status
+
+    def renew_store(
+        self, namespace_id: bytes, chunk_hash: bytes, owner: str, deadline: float
+    ) -> bool:
+        """True while ``owner`` still holds the chunk's reservation, which is then extended
+        to ``deadline`` (never shortened); False once it expired or is gone. A server-side
+        writer asks before each write into the slot."""
+        (key,) = make_chunk_keys(self.namespace(namespace_id).namespace_id, [chunk_hash])
+        now = time.monotonic()
+        with self._lock:
+            entry = self._index.entry(key)
+            if entry is None or entry.ready or entry.owner != owner or entry.expired:
+                return False
+            if entry.deadline <= now:
+                return False
+            self._index.extend_deadline(key, deadline)
+            return True
+
+    # -- delete ----------------------------------------------------------------------------
+
+    def delete(self, namespace_id: bytes, chunk_hashes: Sequence[bytes]) -> int:
+        """Remove the chunks from every tier; returns how many were present anywhere."""
+        num = 0
+        for key in self._keys(namespace_id, chunk_hashes):
+            found = False
+            with self._lock:
+                if self._index.readable(key):
+                    found = True
+                    entry = self._index.entry(key)
+                    if entry is not None and entry.pins:
+                        self._index.doom(key)
+                    else:
+                        self._first_tier.free(key)
+            num += self._lower.delete(key) or found
+        return num
