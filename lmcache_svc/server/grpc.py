@@ -27,6 +27,7 @@ from lmcache_svc.server.grpc_auth import AuthInterceptor
 from lmcache_svc.server.grpc_calls import abort_call, unary_rpc
 from lmcache_svc.server.grpc_index import index_segments
 from lmcache_svc.server.grpc_inline import InlineTransfers
+from lmcache_svc.server.lookup_reports import count_report
 from lmcache_svc.server.stats import stats_fields
 from lmcache_svc.server.status import grpc_code
 from lmcache_svc.server.tokens import Authenticator, make_authenticator
@@ -138,6 +139,13 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
             tiers=result.tiers,
             media=[medium_to_pb(m) for m in result.media],
         )
+
+    @unary_rpc
+    async def ReportLookups(
+        self, request: pb.ReportLookupsRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ReportLookupsResponse:
+        count_report(self._cache, request)
+        return pb.ReportLookupsResponse()
 
     def _check_session(self, session_id: str) -> None:
         if session_id and not self._cache.has_session(session_id):
