@@ -29,6 +29,7 @@ from lmcache_svc import errors
 from lmcache_svc.arena import ArenaMapping
 from lmcache_svc.client.lookup_reports import (
     DEFAULT_REPORT_INTERVAL_S,
+    REPORT_TIMEOUT_S,
     LookupCounts,
     LookupReporter,
 )
@@ -187,6 +188,8 @@ class CacheClient(MemoryCalls):
         return self._reports.flush()
 
     def _send_report(self, namespace_id: bytes, counts: LookupCounts) -> None:
+        """A short deadline: a report never holds ``close`` long on a hung server (its
+        counts are then kept for the next report, or lost at close)."""
         self._ns_call(
             self._stub.ReportLookups,
             pb.ReportLookupsRequest(
@@ -195,6 +198,7 @@ class CacheClient(MemoryCalls):
                 num_chunks=counts.num_chunks,
                 num_hit_chunks=counts.num_hit_chunks,
             ),
+            min(self.timeout_s, REPORT_TIMEOUT_S),
         )
 
     # -- shared-memory path --------------------------------------------------------------

@@ -5,9 +5,10 @@ Per namespace, the client adds up the lookups it answered itself, the chunks the
 about and the chunks of their hit prefixes. A background thread, started by the first such
 lookup, sends what accumulated every ``interval_s`` seconds (one ``ReportLookups`` call per
 namespace with something new, never one per lookup); ``close`` sends the rest. So the
-server's counters include an index-answered lookup at most ``interval_s`` (plus a call's
-deadline) after it happened. A report the server cannot take now (``ServerUnavailable``) is
-kept and sent with the next; one it refuses is dropped with a warning.
+server's counters include an index-answered lookup at most ``interval_s`` (plus a report's
+deadline, ``REPORT_TIMEOUT_S``) after it happened. A report the server cannot take now
+(``ServerUnavailable``) is kept and sent with the next; one it refuses is dropped with a
+warning.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ log = logging.getLogger(__name__)
 
 DEFAULT_REPORT_INTERVAL_S = 5.0
 """How often a client reports its index-answered lookups (``docs/metrics.md``)."""
+REPORT_TIMEOUT_S = 1.0
+"""A report's deadline (at most the client's ``timeout_s``)."""
 
 
 @dataclass(slots=True)
@@ -59,14 +62,21 @@ class LookupReporter:
 
     def count(self, namespace_id: bytes, num_chunks: int, num_hit_chunks: int) -> None:
         """One lookup answered from the index (starts the reporting thread if need be)."""
-        with self._lock:
-            counts = self._pending.setdefault(bytes(namespace_id), LookupCounts())
-            counts.add(LookupCounts(1, num_chunks, num_hit_chunks))
-            if self._thread is None and not self._stop.is_set():
-                self._thread = threading.Thread(
-                    target=self._run, name="lmcache-svc-lookup-reports", daemon=True
-                )
-                self._thread.start()
+        with self._lock:  # on the lookup path: no allocation once the namespace is known
+            counts = self._pending.get(namespace_id)
+            if counts is None:
+                counts = self._pending[bytes(namespace_id)] = LookupCounts()
+                self._start_locked()
+            counts.num_lookups += 1
+            counts.num_chunks += num_chunks
+            counts.num_hit_chunks += num_hit_chunks
+
+    def _start_locked(self) -> None:
+        if self._thread is None and not self._stop.is_set():
+            self._thread = threading.Thread(
+                target=self._run, name="lmcache-svc-lookup-reports", daemon=True
+            )
+            self._thread.start()
 
     def _run(self) -> None:
         while not self._stop.wait(self._interval_s):
