@@ -110,10 +110,13 @@ def test_quick_mode_end_to_end(tmp_path: Path) -> None:
     for name in ("arena", "ssd"):  # the server served hits that vLLM had evicted
         assert results[name]["vllm"]["external_prefix_cache_hits"] > 0
         assert results[name]["vllm"]["prompt_tokens_external_kv_transfer"] > 0
-        # bytes read from the tiers count every load (lookups answered by the shm index never
-        # reach the server's lookup counters)
+        # bytes read from the tiers count every load
         side = results[name]["sidecar"]
         assert sum(v for k, v in side.items() if k.startswith("read_bytes_")) > 0
+        # lookups the plugin answered from the shm index reach the server's lookup counters
+        # through its reports (the run's last scrape waits one report interval)
+        assert side["index_lookups"] > 0 and side["lookup_hit_chunks"] > 0
+        assert side["lookup_chunks"] >= side["lookup_hit_chunks"]
     ssd = results["ssd"]["sidecar"]
     assert any(k.startswith("written_bytes_") and "ssd" in k and v > 0 for k, v in ssd.items())
     assert report.data["checks_ok"]
