@@ -7,8 +7,8 @@ lookup, sends what accumulated every ``interval_s`` seconds (one ``ReportLookups
 namespace with something new, never one per lookup); ``close`` sends the rest. So the
 server's counters include an index-answered lookup at most ``interval_s`` (plus a report's
 deadline, ``REPORT_TIMEOUT_S``) after it happened. A report the server cannot take now
-(``ServerUnavailable``) is kept and sent with the next; one it refuses is dropped with a
-warning.
+(``ServerUnavailable``) is kept and sent with the next; one it refuses is dropped, with a
+warning the first time.
 """
 
 from __future__ import annotations
@@ -59,6 +59,7 @@ class LookupReporter:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._send_lock = threading.Lock()  # one report of a namespace in flight at a time
+        self._warned = False
 
     def count(self, namespace_id: bytes, num_chunks: int, num_hit_chunks: int) -> None:
         """One lookup answered from the index (starts the reporting thread if need be)."""
@@ -99,8 +100,11 @@ class LookupReporter:
             with self._lock:  # the next report carries them
                 self._pending.setdefault(namespace_id, LookupCounts()).add(counts)
             return 0
-        except errors.LMCacheSvcError as e:
-            log.warning(
+        except errors.LMCacheSvcError as e:  # e.g. an older server without ReportLookups
+            level = logging.DEBUG if self._warned else logging.WARNING
+            self._warned = True  # once: a server that refuses one will refuse them all
+            log.log(
+                level,
                 "the server refused a report of %d index-answered lookups of namespace %s "
                 "(dropped): %s",
                 counts.num_lookups,

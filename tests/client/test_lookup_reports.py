@@ -60,6 +60,11 @@ def test_a_refused_report_is_dropped_with_a_warning(caplog: pytest.LogCaptureFix
     with caplog.at_level(logging.WARNING):
         assert reporter.flush() == 0
     assert "no lookup index here" in caplog.text
+    reporter.count(NS_A, 1, 1)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        assert reporter.flush() == 0
+    assert caplog.text == ""  # warned once, not every interval
     server.failure = None
     assert reporter.close() == 0 and server.taken == []
 
