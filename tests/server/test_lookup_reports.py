@@ -192,3 +192,18 @@ def test_a_server_without_a_lookup_index_refuses_reports(tmp_path: Path) -> None
         assert counters(cache)["lookup_chunks"] == 0.0
     finally:
         srv.close()
+
+
+def test_close_is_quick_when_the_server_is_gone(tmp_path: Path) -> None:
+    """The last report fails (the counts are lost with the server's own counters); close
+    neither raises nor waits for more than a report's deadline."""
+    srv = Served(make_cache(4), tmp_path)
+    srv.cache.put(ACME_NS.namespace_id, h(0), b"\0" * CHUNK)
+    client = srv.client(ACME, report_interval_s=3600)
+    ns_id = client.register_namespace(ACME_NS)
+    assert client.shm_available
+    assert client.lookup(ns_id, [h(0)]).num_hit_chunks == 1  # from the index: not reported yet
+    srv.close()
+    start = time.monotonic()
+    client.close()
+    assert time.monotonic() - start < 2.0
