@@ -29,6 +29,7 @@ from lmcache_svc.shm_index import BEAT_S, IndexTable, check_num_slots, segment_b
 
 if TYPE_CHECKING:
     from lmcache_svc.config import Config
+    from lmcache_svc.tiers.base import Medium
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +50,9 @@ class IndexSegmentInfo:
 class IndexSegment:
     """Server side: one tenant's table in its own segment (``/dev/shm/<name>``, ``mode``)."""
 
-    def __init__(self, tenant: str, tier_name: str, num_slots: int, *, mode: int = 0o600) -> None:
+    def __init__(
+        self, tenant: str, tier_name: str, medium: Medium, num_slots: int, *, mode: int = 0o600
+    ) -> None:
         self.name = f"lmcache-svc-index-{os.getpid()}-{secrets.token_hex(6)}"
         self.size = segment_bytes(check_num_slots(num_slots))
         path = _shm_path(self.name)
@@ -67,7 +70,7 @@ class IndexSegment:
             raise ConfigError(f"cannot size or map index segment {path}: {e}") from e
         self._fd = fd  # holds the flock: the segment is not an orphan while we live
         self._buf = memoryview(self._mm)
-        self.table = IndexTable(self._buf, num_slots, tenant, tier_name)
+        self.table = IndexTable(self._buf, num_slots, tenant, tier_name, medium)
         self.nonce = self.table.nonce
 
     def close(self) -> None:
@@ -91,12 +94,14 @@ class IndexPublisher:
     def __init__(
         self,
         tier_name: str,
+        medium: Medium,
         *,
         num_slots: int = DEFAULT_INDEX_SLOTS,
         max_tenants: int = DEFAULT_MAX_TENANTS,
         mode: int = 0o600,
     ) -> None:
         self._tier_name = tier_name
+        self._medium: Medium = medium
         self._num_slots = check_num_slots(num_slots)
         self._max_tenants = max_tenants
         self._mode = mode
@@ -151,7 +156,9 @@ class IndexPublisher:
                 self._warned_full = True
             return None
         try:
-            seg = IndexSegment(tenant, self._tier_name, self._num_slots, mode=self._mode)
+            seg = IndexSegment(
+                tenant, self._tier_name, self._medium, self._num_slots, mode=self._mode
+            )
         except ConfigError as e:
             log.warning("lookup index for tenant %r not created: %s", tenant, e)
             return None
@@ -195,13 +202,15 @@ class IndexPublisher:
             seg.close()
 
 
-def lookup_index(config: Config, tier_name: str) -> IndexPublisher | None:
-    """The publisher the config asks for (``cpu.lookup_index``), or None."""
+def lookup_index(config: Config, tier_name: str, medium: Medium) -> IndexPublisher | None:
+    """The publisher the config asks for (``cpu.lookup_index``) for the first tier (its name
+    and medium go into every table's header), or None."""
     c = config.cpu
     if not c.lookup_index:
         return None
     return IndexPublisher(
         tier_name,
+        medium,
         num_slots=c.lookup_index_slots,
         max_tenants=c.lookup_index_tenants,
         mode=c.shm_mode,

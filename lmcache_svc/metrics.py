@@ -100,6 +100,13 @@ class Metrics:
             "Chunks of lookups' contiguous hit prefixes",
             registry=r,
         )
+        self.index_lookups = Counter(
+            "lmcache_svc_index_lookups",
+            "Lookups clients answered from the shared-memory lookup index, as they report them "
+            "(their chunks are counted in lookup_chunks, lookup_hit_chunks, chunk_hits, "
+            "chunk_misses too)",
+            registry=r,
+        )
         self.evictions = Counter(
             "lmcache_svc_evictions",
             "Chunks evicted from a tier (demoted or dropped)",
@@ -187,6 +194,17 @@ class Metrics:
             ["what"],
             registry=r,
         )
+
+    def count_index_lookups(
+        self, tier: str, num_lookups: int, num_chunks: int, num_hit_chunks: int
+    ) -> None:
+        """Add lookups a client answered from the lookup index (its hits are all in ``tier``,
+        the first) to the counters a ``Lookup`` moves."""
+        self.index_lookups.inc(num_lookups)
+        self.lookup_chunks.inc(num_chunks)
+        self.lookup_hit_chunks.inc(num_hit_chunks)
+        self.misses.inc(num_chunks - num_hit_chunks)
+        self.hits.labels(tier=tier).inc(num_hit_chunks)
 
     def watch_tiers(self, read_tiers: Callable[[], Iterable[TierStats]]) -> None:
         """Export capacity, used bytes and chunks of the tiers, read at each scrape."""

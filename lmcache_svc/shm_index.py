@@ -10,9 +10,9 @@ Layout (native little-endian uint64 words):
 - bytes 0-4095, the header: word 0 ``MAGIC``, words 1-2 a random nonce (the client checks
   it against the one its session announced), word 3 the number of slots (a power of two),
   word 4 the sequence counter, word 5 the number of entries, word 6 flags, word 7 the
-server's heartbeat (``CLOCK_MONOTONIC`` in ns, one clock for every process of a host), then
-the tenant
-  (``TENANT_OFFSET``, length-prefixed UTF-8) and the first tier's name (``TIER_OFFSET``);
+  server's heartbeat (``CLOCK_MONOTONIC`` in ns, one clock for every process of a host),
+  then the tenant (``TENANT_OFFSET``, length-prefixed UTF-8), the first tier's name
+  (``TIER_OFFSET``) and its medium (``MEDIUM_OFFSET``, ``Tier.medium``);
 - then one word per slot: 0 for empty, else a fingerprint (the first 8 bytes of the chunk
   hash, a sha256 digest; 0 is stored as 1).
 
@@ -54,14 +54,18 @@ from dataclasses import dataclass
 
 from lmcache_svc.arena import SHM_DIR, check_segment_name
 from lmcache_svc.errors import InvalidArgument
+from lmcache_svc.results import LookupResult
+from lmcache_svc.tiers.base import MEDIA, Medium
 
-MAGIC = int.from_bytes(b"LMCSVCI1", "little")
+MAGIC = int.from_bytes(b"LMCSVCI2", "little")  # 2: the header holds the medium
 HEADER_BYTES = 4096
 W_MAGIC, W_NONCE0, W_NONCE1, W_SLOTS, W_SEQ, W_COUNT, W_FLAGS, W_BEAT = range(8)
 TENANT_OFFSET = 64
 TENANT_MAX_BYTES = 1024
 TIER_OFFSET = TENANT_OFFSET + 8 + TENANT_MAX_BYTES
 TIER_MAX_BYTES = 256
+MEDIUM_OFFSET = TIER_OFFSET + 8 + TIER_MAX_BYTES
+MEDIUM_MAX_BYTES = 64
 FLAG_LOWER_TIERS = 1
 FLAG_INCOMPLETE = 2
 FLAG_CLOSED = 4
@@ -111,10 +115,21 @@ def _get_text(buf: memoryview, offset: int, limit: int) -> str | None:
         return None
 
 
+def _get_medium(buf: memoryview) -> Medium | None:
+    """The header's medium, or None for one this reader does not know."""
+    text = _get_text(buf, MEDIUM_OFFSET, MEDIUM_MAX_BYTES)
+    for medium in MEDIA:
+        if text == medium:
+            return medium
+    return None
+
+
 class IndexTable:
     """The writer: one table over a writable buffer. Not thread-safe (the cache's lock)."""
 
-    def __init__(self, buf: memoryview, num_slots: int, tenant: str, tier_name: str) -> None:
+    def __init__(
+        self, buf: memoryview, num_slots: int, tenant: str, tier_name: str, medium: Medium
+    ) -> None:
         check_num_slots(num_slots)
         if len(buf) != segment_bytes(num_slots):
             need = segment_bytes(num_slots)
@@ -130,6 +145,7 @@ class IndexTable:
         self._count = 0
         _put_text(buf, TENANT_OFFSET, TENANT_MAX_BYTES, tenant)
         _put_text(buf, TIER_OFFSET, TIER_MAX_BYTES, tier_name)
+        _put_text(buf, MEDIUM_OFFSET, MEDIUM_MAX_BYTES, medium)
         w = self._words
         w[W_NONCE0] = int.from_bytes(self.nonce[:8], "little")
         w[W_NONCE1] = int.from_bytes(self.nonce[8:], "little")
@@ -262,7 +278,7 @@ class IndexAnswer:
 class IndexReader:
     """A client's read-only mapping of one tenant's table. Thread-safe (reads only)."""
 
-    def __init__(self, mm: mmap.mmap, fd: int, tenant: str, tier_name: str) -> None:
+    def __init__(self, mm: mmap.mmap, fd: int, tenant: str, tier_name: str, medium: Medium) -> None:
         self._mm = mm
         self._fd: int | None = fd  # to ask whether the server still holds its lock
         self._close_fd = weakref.finalize(self, os.close, fd)  # a dropped session's reader
@@ -272,6 +288,7 @@ class IndexReader:
         self._mask = self.num_slots - 1
         self.tenant = tenant
         self.tier_name = tier_name
+        self.medium = medium
 
     @classmethod
     def open(cls, name: str, size: int, nonce: bytes) -> IndexReader | None:
@@ -302,13 +319,14 @@ class IndexReader:
         )
         tenant = _get_text(buf, TENANT_OFFSET, TENANT_MAX_BYTES) if ok else None
         tier = _get_text(buf, TIER_OFFSET, TIER_MAX_BYTES) if ok else None
+        medium = _get_medium(buf) if ok else None
         words.release()
         buf.release()
-        if tenant is None or tier is None:
+        if tenant is None or tier is None or medium is None:
             mm.close()
             os.close(fd)
             return None
-        return cls(mm, fd, tenant, tier)
+        return cls(mm, fd, tenant, tier, medium)
 
     @property
     def closed(self) -> bool:
@@ -382,15 +400,16 @@ def open_index_segments(segments: Iterable[object]) -> dict[str, IndexReader]:
 
 def answer_locally(
     readers: dict[str, IndexReader], tenant: str, chunk_hashes: Sequence[bytes]
-) -> tuple[int, str] | None:
-    """(leading chunks held, the first tier's name) from the tenant's table, or None when
-    the table cannot give ``Lookup``'s answer (none mapped, closed, busy, or a miss that may
-    be a hit in a lower tier or an overflowed table) or a hash is malformed (the server
-    answers that with its error)."""
+) -> LookupResult | None:
+    """``Lookup``'s answer (the leading chunks held, all in the first tier, with the tier's
+    name and medium from the table's header) from the tenant's table, or None when the table
+    cannot give it (none mapped, closed, busy, or a miss that may be a hit in a lower tier or
+    an overflowed table) or a hash is malformed (the server answers that with its error)."""
     reader = readers.get(tenant)
     if reader is None or any(len(h) != 32 for h in chunk_hashes):
         return None
     answer = reader.lookup(chunk_hashes)
     if answer is None or not answer.final:
         return None
-    return answer.num_hit_chunks, reader.tier_name
+    num = answer.num_hit_chunks
+    return LookupResult(num, [reader.tier_name] * num, [reader.medium] * num)

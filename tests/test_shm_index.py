@@ -14,9 +14,11 @@ import pytest
 
 from lmcache_svc.errors import InvalidArgument
 from lmcache_svc.index_publisher import IndexSegment
+from lmcache_svc.results import LookupResult
 from lmcache_svc.shm_index import (
     BEAT_S,
     INDEX_TRANSPORT,
+    MEDIUM_OFFSET,
     STALE_S,
     IndexReader,
     answer_locally,
@@ -47,7 +49,7 @@ def beating(seg: IndexSegment) -> Iterator[None]:
 
 @pytest.fixture
 def seg() -> Iterator[IndexSegment]:
-    s = IndexSegment("acme", "cpu", 64)
+    s = IndexSegment("acme", "cpu", "host_memory", 64)
     with beating(s):
         yield s
     s.close()
@@ -68,16 +70,37 @@ def test_insert_lookup_remove_prefix(seg: IndexSegment) -> None:
     hs = _hashes(5, random.Random(1))
     for h in hs[:3]:
         assert seg.table.insert(h)
-    assert reader.tenant == "acme" and reader.tier_name == "cpu"
+    assert (reader.tenant, reader.tier_name, reader.medium) == ("acme", "cpu", "host_memory")
     answer = reader.lookup(hs)
     assert answer is not None and (answer.num_hit_chunks, answer.final) == (3, True)
     assert seg.table.remove(hs[1])
     assert not seg.table.remove(hs[1])  # gone already
     answer = reader.lookup(hs)
     assert answer is not None and answer.num_hit_chunks == 1  # a prefix: stops at the hole
-    assert answer_locally({"acme": reader}, "acme", hs[:1]) == (1, "cpu")
+    assert answer_locally({"acme": reader}, "acme", hs[:1]) == LookupResult(
+        1, ["cpu"], ["host_memory"]
+    )
     assert answer_locally({"acme": reader}, "globex", hs[:1]) is None  # no table mapped
     assert answer_locally({"acme": reader}, "acme", [b"short"]) is None  # server's error
+
+
+def test_the_header_names_the_first_tier_s_medium() -> None:
+    """A local answer reports the medium the server published, e.g. an HBM first tier's."""
+    seg = IndexSegment("acme", "hbm", "device", 64)
+    try:
+        with beating(seg):
+            h, absent = _hashes(2, random.Random(3))
+            seg.table.insert(h)
+            reader = _reader(seg)
+            assert reader.medium == "device"
+            got = answer_locally({"acme": reader}, "acme", [h, absent])
+            assert got == LookupResult(1, ["hbm"], ["device"])
+            # A medium this reader does not know: the table is not used (the client asks).
+            unknown = (5).to_bytes(8, "little") + b"tapes"
+            seg._buf[MEDIUM_OFFSET : MEDIUM_OFFSET + len(unknown)] = unknown  # noqa: SLF001
+            assert IndexReader.open(seg.name, seg.size, seg.nonce) is None
+    finally:
+        seg.close()
 
 
 def test_random_operations_match_a_set(seg: IndexSegment) -> None:
@@ -146,7 +169,7 @@ def test_open_checks_nonce_size_and_name(seg: IndexSegment) -> None:
     ]
     assert list(open_index_segments(segments)) == ["acme"]
     with pytest.raises(InvalidArgument):
-        IndexSegment("acme", "cpu", 100)  # not a power of two
+        IndexSegment("acme", "cpu", "host_memory", 100)  # not a power of two
 
 
 def test_reader_mapping_is_read_only(seg: IndexSegment) -> None:
@@ -159,7 +182,7 @@ def test_reader_racing_writer_never_reports_an_absent_key() -> None:
     """A writer churns keys through a small, nearly full table (every removal shifts
     entries) while readers query keys never inserted (must never hit) and keys present
     all along (must never miss when the reader answers at all)."""
-    seg = IndexSegment("acme", "cpu", 64)
+    seg = IndexSegment("acme", "cpu", "host_memory", 64)
     rng = random.Random(11)
     stable = _hashes(8, rng)
     churn = _hashes(60, rng)
@@ -218,7 +241,7 @@ def test_reader_racing_writer_never_reports_an_absent_key() -> None:
 
 def test_a_killed_server_s_table_answers_nothing() -> None:
     """A server killed by SIGKILL never marks its table closed; its lock goes with it."""
-    seg = IndexSegment("acme", "cpu", 64)
+    seg = IndexSegment("acme", "cpu", "host_memory", 64)
     reader = _reader(seg)
     h = random.Random(6).randbytes(32)
     seg.table.insert(h)
@@ -240,7 +263,7 @@ def test_a_killed_server_s_table_answers_nothing() -> None:
 
 def test_a_hung_server_s_table_answers_nothing_once_stale() -> None:
     """A stopped server keeps its lock but no longer stamps its table."""
-    seg = IndexSegment("acme", "cpu", 64)
+    seg = IndexSegment("acme", "cpu", "host_memory", 64)
     try:
         reader = _reader(seg)
         h = random.Random(8).randbytes(32)

@@ -152,7 +152,7 @@ class IndexView:
         answer = answer_locally(self.readers, self._tenant, hashes)
         if answer is None:
             raise RuntimeError("the lookup index could not answer (overflowed or stale?)")
-        return answer[0]
+        return answer.num_hit_chunks
 
     def close(self) -> None:
         self._stream.cancel()

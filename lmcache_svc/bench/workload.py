@@ -59,6 +59,7 @@ from lmcache_svc.bench.workload_serve import (
     scrape,
 )
 from lmcache_svc.bench.workload_trace import Conversations, write_tokenizer, write_trace
+from lmcache_svc.client.lookup_reports import DEFAULT_REPORT_INTERVAL_S
 
 CONFIGS = ("plain", "arena", "ssd")
 CLIENT_TIMEOUT_S = 420.0
@@ -212,7 +213,9 @@ def run_config(
         ctx.out_dir.mkdir(parents=True, exist_ok=True)
         cargs = client_args(p, vllm.url, model_dir, trace, result_path)
         wall_s = run_client(cargs, ctx.work_dir / f"client-{name}.log", CLIENT_TIMEOUT_S)
-        time.sleep(1.0)  # the last steps' stats and the last stores' commits
+        # The last steps' stats and the last stores' commits; with a sidecar, also the
+        # plugin's last report of the lookups it answered from the lookup index.
+        time.sleep(1.0 if server is None else DEFAULT_REPORT_INTERVAL_S + 1.0)
         after, side_after = vllm.metrics(), _sidecar_metrics(server)
         ctx.progress(f"{name}: client done in {wall_s:.0f} s")
         return ConfigResult.collect(

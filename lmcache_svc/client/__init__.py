@@ -1,7 +1,10 @@
 """The Python client of the cache server (needs only grpcio, protobuf and numpy).
 
-``cache_client.py`` holds ``CacheClient``; ``transport.py`` the gRPC plumbing it uses (targets,
-channel options, error conversion, inline streams, the shared segment's slots and leases);
+``cache_client.py`` holds ``CacheClient``, built on ``channel.py`` (the channel, stubs and
+how a call is made) and ``memories.py`` (the named-memory calls); ``session.py`` the session
+stream and what it mapped; ``lookup_reports.py`` the count of lookups answered from the
+lookup index, reported to the server; ``transport.py`` the gRPC plumbing (targets, channel
+options, error conversion, inline streams, the shared segment's slots and leases);
 ``defaults.py`` the socket path both sides use unless told otherwise.
 """
 

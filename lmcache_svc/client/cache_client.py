@@ -11,6 +11,10 @@ Faults: every call has a deadline; an unreachable or slow server raises ``Server
 gRPC channels reconnect by themselves; after a server restart the client re-registers its
 namespaces and opens a new session on the next call that needs one. Needs only grpcio,
 protobuf and numpy (no server extras).
+
+With ``local_lookup``, ``lookup`` is answered from the server's shared-memory lookup index
+when it can be (``shm_index.answer_locally``), and counted for the server's metrics
+(``lookup_reports.py``). The named-memory calls come from ``memories.py``.
 """
 
 from __future__ import annotations
@@ -23,63 +27,36 @@ import grpc
 
 from lmcache_svc import errors
 from lmcache_svc.arena import ArenaMapping
+from lmcache_svc.client.lookup_reports import (
+    DEFAULT_REPORT_INTERVAL_S,
+    REPORT_TIMEOUT_S,
+    LookupCounts,
+    LookupReporter,
+)
+from lmcache_svc.client.memories import MemoryCalls
+from lmcache_svc.client.session import Session
 from lmcache_svc.client.transport import (
     GetAssembler,
     LoadLease,
     NsReq,
-    Req,
     Resp,
     StoreSlot,
     UnaryCall,
-    auth_metadata,
     check_mapping,
-    client_channel_options,
     convert_rpc_error,
-    first_event,
-    grpc_target,
-    join_memory_parts,
     load_lease,
-    map_segment,
-    memory_parts,
-    memory_timeout,
     put_parts,
     stats_dict,
     store_slots,
 )
 from lmcache_svc.keys import Namespace, NamespaceId
-from lmcache_svc.memories.format import MemoryInfo
 from lmcache_svc.results import LookupResult
-from lmcache_svc.shm_index import answer_locally, open_index_segments
+from lmcache_svc.shm_index import answer_locally
 from lmcache_svc.v1 import cache_pb2 as pb
-from lmcache_svc.v1 import cache_pb2_grpc as pb_grpc
-from lmcache_svc.wire import medium_from_pb, memory_info_from_pb, namespace_to_pb
+from lmcache_svc.wire import medium_from_pb, namespace_to_pb
 
 
-class _Session:
-    """An open session stream and the mapped segment; dead once the stream ends."""
-
-    def __init__(self, stream: Any, event: pb.SessionEvent) -> None:  # a grpc stream call
-        self.session_id = event.session_id
-        self.mapping, self.segment_name = map_segment(event)
-        self.indexes = open_index_segments(event.segments)  # lookups without a round trip
-        self._stream = stream
-        self.alive = True
-        threading.Thread(target=self._watch, name="lmcache-svc-session", daemon=True).start()
-
-    def _watch(self) -> None:
-        try:
-            for _ in self._stream:
-                pass
-        except grpc.RpcError:
-            pass
-        self.alive = False
-
-    def close(self) -> None:
-        self.alive = False
-        self._stream.cancel()
-
-
-class CacheClient:
+class CacheClient(MemoryCalls):
     """Blocking client; thread-safe. Use as a context manager or call ``close()``."""
 
     def __init__(
@@ -91,21 +68,19 @@ class CacheClient:
         use_shm: bool = True,
         auth_token: str | None = None,
         local_lookup: bool = False,
+        report_interval_s: float = DEFAULT_REPORT_INTERVAL_S,
     ) -> None:
         """``local_lookup``: answer ``lookup`` from the server's shared-memory index when the
-        session (opened by any shared-memory call, or ``shm_available``) mapped it here; the
-        server's lookup metrics then count only the lookups that reach it."""
-        self._target = grpc_target(address)
-        self.timeout_s = timeout_s
+        session (opened by any shared-memory call, or ``shm_available``) mapped it here; such
+        lookups reach the server's lookup metrics in a report sent every
+        ``report_interval_s`` and at ``close`` (``lookup_reports.py``)."""
+        super().__init__(address, timeout_s=timeout_s, auth_token=auth_token)
         self._client_name = client_name
         self._use_shm = use_shm
         self._local_lookup = local_lookup
-        self._metadata = auth_metadata(auth_token)
-        self._channel = grpc.insecure_channel(self._target, options=client_channel_options())
-        self._stub = pb_grpc.CacheServiceStub(self._channel)
-        self._memories = pb_grpc.MemoryServiceStub(self._channel)
+        self._reports = LookupReporter(self._send_report, interval_s=report_interval_s)
         self._namespaces: dict[bytes, Namespace] = {}
-        self._session: _Session | None = None
+        self._session: Session | None = None
         self._lock = threading.Lock()
 
     def __enter__(self) -> CacheClient:
@@ -115,6 +90,7 @@ class CacheClient:
         self.close()
 
     def close(self) -> None:
+        self._reports.close()
         with self._lock:
             if self._session is not None:
                 self._session.close()
@@ -122,15 +98,6 @@ class CacheClient:
         self._channel.close()
 
     # -- plumbing ------------------------------------------------------------------------
-
-    def _call(
-        self, rpc: UnaryCall[Req, Resp], request: Req, timeout_s: float | None = None
-    ) -> Resp:
-        """One unary call of a generated stub method, its errors as the project's exceptions."""
-        try:
-            return rpc(request, timeout=timeout_s or self.timeout_s, metadata=self._metadata)
-        except grpc.RpcError as e:
-            raise convert_rpc_error(e) from None
 
     def _ns_call(
         self, rpc: UnaryCall[NsReq, Resp], request: NsReq, timeout_s: float | None = None
@@ -147,7 +114,7 @@ class CacheClient:
 
     def _session_call(
         self, rpc: UnaryCall[NsReq, Resp], make_request: Callable[[str], NsReq]
-    ) -> tuple[_Session, Resp]:
+    ) -> tuple[Session, Resp]:
         """A call that needs a live session; opens a new one once if the old one is gone."""
         for attempt in (0, 1):
             session = self._live_session()
@@ -161,19 +128,12 @@ class CacheClient:
                     raise
         raise AssertionError("unreachable")
 
-    def _live_session(self) -> _Session:
+    def _live_session(self) -> Session:
         with self._lock:
-            if self._session is not None and self._session.alive:
-                return self._session
-            stream = self._stub.OpenSession(
-                pb.OpenSessionRequest(client_name=self._client_name), metadata=self._metadata
-            )
-            try:
-                event = first_event(stream, self.timeout_s)
-            except grpc.RpcError as e:
-                stream.cancel()
-                raise convert_rpc_error(e) from None
-            self._session = _Session(stream, event)
+            if self._session is None or not self._session.alive:
+                self._session = Session.open(
+                    self._stub, self._client_name, self._metadata, self.timeout_s
+                )
             return self._session
 
     @property
@@ -211,9 +171,9 @@ class CacheClient:
         ns = self._namespaces.get(bytes(namespace_id))
         if self._local_lookup and session is not None and session.alive and ns is not None:
             local = answer_locally(session.indexes, ns.tenant, chunk_hashes)
-            if local is not None:  # the index holds first-tier chunks: the arena, host memory
-                num_hits, tier_name = local
-                return LookupResult(num_hits, [tier_name] * num_hits, ["host_memory"] * num_hits)
+            if local is not None:
+                self._reports.count(namespace_id, len(chunk_hashes), local.num_hit_chunks)
+                return local
         resp: pb.LookupResponse = self._ns_call(
             self._stub.Lookup,
             pb.LookupRequest(namespace_id=namespace_id, chunk_hashes=chunk_hashes),
@@ -221,6 +181,25 @@ class CacheClient:
         )
         media = [medium_from_pb(m) for m in resp.media]
         return LookupResult(resp.num_hit_chunks, list(resp.tiers), media)
+
+    def flush_lookup_reports(self) -> int:
+        """Report the lookups answered from the index so far now, not at the next interval;
+        returns how many the server took."""
+        return self._reports.flush()
+
+    def _send_report(self, namespace_id: bytes, counts: LookupCounts) -> None:
+        """A short deadline: a report never holds ``close`` long on a hung server (its
+        counts are then kept for the next report, or lost at close)."""
+        self._ns_call(
+            self._stub.ReportLookups,
+            pb.ReportLookupsRequest(
+                namespace_id=namespace_id,
+                num_lookups=counts.num_lookups,
+                num_chunks=counts.num_chunks,
+                num_hit_chunks=counts.num_hit_chunks,
+            ),
+            min(self.timeout_s, REPORT_TIMEOUT_S),
+        )
 
     # -- shared-memory path --------------------------------------------------------------
 
@@ -244,17 +223,7 @@ class CacheClient:
     def commit_store(
         self, namespace_id: bytes, chunk_hashes: Sequence[bytes], *, abort: bool = False
     ) -> int:
-        session = self._live_session()
-        resp: pb.CommitStoreResponse = self._ns_call(
-            self._stub.CommitStore,
-            pb.CommitStoreRequest(
-                namespace_id=namespace_id,
-                chunk_hashes=chunk_hashes,
-                session_id=session.session_id,
-                abort=abort,
-            ),
-        )
-        return int(resp.num_committed)
+        return int(self._commit(namespace_id, chunk_hashes, abort=abort).num_committed)
 
     def bind_store(
         self, namespace_id: bytes, chunk_hashes: Sequence[bytes], reserved_as: Sequence[bytes]
@@ -262,17 +231,29 @@ class CacheClient:
         """Commit chunks written into pooled slots (``reserved_as[i]``: the placeholder hash
         the slot holding ``chunk_hashes[i]`` was reserved for; see ``StorePool``). Returns
         (chunks committed, placeholders still reserved because their chunk was stored)."""
-        session = self._live_session()
+        resp = self._commit(namespace_id, chunk_hashes, reserved_as=reserved_as)
+        return int(resp.num_committed), [bytes(k) for k in resp.kept]
+
+    def _commit(
+        self,
+        namespace_id: bytes,
+        chunk_hashes: Sequence[bytes],
+        *,
+        abort: bool = False,
+        reserved_as: Sequence[bytes] = (),
+    ) -> pb.CommitStoreResponse:
+        """One CommitStore in the live session (``commit_store`` and ``bind_store``)."""
         resp: pb.CommitStoreResponse = self._ns_call(
             self._stub.CommitStore,
             pb.CommitStoreRequest(
                 namespace_id=namespace_id,
                 chunk_hashes=chunk_hashes,
-                session_id=session.session_id,
+                session_id=self._live_session().session_id,
+                abort=abort,
                 reserved_as=reserved_as,
             ),
         )
-        return int(resp.num_committed), [bytes(k) for k in resp.kept]
+        return resp
 
     @property
     def session_id(self) -> str | None:
@@ -305,7 +286,7 @@ class CacheClient:
         )
         return bool(resp.released)
 
-    def _mapping_for(self, session: _Session, segment_name: str) -> ArenaMapping:
+    def _mapping_for(self, session: Session, segment_name: str) -> ArenaMapping:
         try:
             return check_mapping(session.mapping, session.segment_name, segment_name)
         except errors.ServerUnavailable:
@@ -392,54 +373,3 @@ class CacheClient:
     def stats(self) -> dict[str, Any]:
         resp: pb.StatsResponse = self._call(self._stub.Stats, pb.StatsRequest())
         return stats_dict(resp)
-
-    # -- named memories (docs/memories.md) -------------------------------------------------
-
-    def put_memory(self, blob: bytes | bytearray | memoryview) -> MemoryInfo:
-        """Store a memory blob (safetensors with its metadata); storing the same bytes again
-        is a no-op. Raises ``BadMemory``, ``Conflict`` (the id holds other bytes),
-        ``PayloadTooLarge`` or ``NoSpace``."""
-        size = memoryview(blob).nbytes
-        try:
-            resp = self._memories.PutMemory(
-                memory_parts(blob),
-                timeout=memory_timeout(self.timeout_s, size),
-                metadata=self._metadata,
-            )
-        except grpc.RpcError as e:
-            raise convert_rpc_error(e) from None
-        return memory_info_from_pb(resp.memory)
-
-    def get_memory(self, memory_id: str) -> bytes | None:
-        """The memory's blob, or None when this tenant has no such memory."""
-        request = pb.GetMemoryRequest(memory_id=memory_id)
-        try:
-            parts = self._memories.GetMemory(
-                request, timeout=memory_timeout(self.timeout_s, 1 << 30), metadata=self._metadata
-            )
-            return join_memory_parts(parts)
-        except grpc.RpcError as e:
-            raise convert_rpc_error(e) from None
-
-    def list_memories(self) -> list[MemoryInfo]:
-        """This tenant's memories, ordered by id."""
-        resp: pb.ListMemoriesResponse = self._call(
-            self._memories.ListMemories, pb.ListMemoriesRequest()
-        )
-        return [memory_info_from_pb(m) for m in resp.memories]
-
-    def delete_memory(self, memory_id: str) -> bool:
-        """Delete a memory; False when there was none."""
-        resp: pb.DeleteMemoryResponse = self._call(
-            self._memories.DeleteMemory, pb.DeleteMemoryRequest(memory_id=memory_id)
-        )
-        return bool(resp.deleted)
-
-    def wait_ready(self, timeout_s: float = 10.0) -> None:
-        """Block until the server answers (raises ServerUnavailable after ``timeout_s``)."""
-        try:
-            grpc.channel_ready_future(self._channel).result(timeout=timeout_s)
-        except grpc.FutureTimeoutError:
-            raise errors.ServerUnavailable(
-                f"no lmcache-svc server answered at {self._target} within {timeout_s} s"
-            ) from None

@@ -85,7 +85,7 @@ def build_cache(config: Config) -> TieredCache:
         raise
     settings = CacheSettings.from_config(config)
     first = CpuTier(arena)
-    index = lookup_index(config, first.name)
+    index = lookup_index(config, first.name, first.medium)
     return TieredCache(first, lower, settings=settings, metrics=Metrics(), lookup_index=index)
 
 

@@ -4,119 +4,49 @@ Runs on grpc.aio. Two thread pools keep arena work from queueing behind a slow l
 calls that may block on a lower tier (promotion, a lookup that must ask Redis, deletes, inline
 transfers) run on one, calls that only touch the arena (commit, abort, a load of chunks all in
 the arena, a store that fits without eviction, session clean-up) on the other. A lookup
-answered from the in-memory indices runs inline. Errors become a status code
-(``server/status.py``) plus the error kind in trailing metadata (``wire.ERROR_KIND_KEY``).
+answered from the in-memory indices runs inline. Errors become a status code plus the error
+kind in trailing metadata (``grpc_calls.py``); inline transfers (Put/Get) live in
+``grpc_inline.py``.
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import functools
-import logging
-import secrets
-import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Protocol, TypeVar
+from typing import Any, TypeVar
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from lmcache_svc import __version__
 from lmcache_svc.cache import TieredCache
-from lmcache_svc.errors import (
-    InvalidArgument,
-    LMCacheSvcError,
-    PayloadTooLarge,
-    ReservationExpired,
-    SizeMismatch,
-    UnknownSession,
-)
-from lmcache_svc.keys import check_chunk_hash
-from lmcache_svc.metrics import Metrics
+from lmcache_svc.errors import InvalidArgument, UnknownSession
 from lmcache_svc.server.grpc_auth import AuthInterceptor
+from lmcache_svc.server.grpc_calls import abort_call, unary_rpc
 from lmcache_svc.server.grpc_index import index_segments
+from lmcache_svc.server.grpc_inline import InlineTransfers
+from lmcache_svc.server.lookup_reports import count_report
 from lmcache_svc.server.stats import stats_fields
-from lmcache_svc.server.status import INTERNAL_KIND, grpc_code
+from lmcache_svc.server.status import grpc_code
 from lmcache_svc.server.tokens import Authenticator, make_authenticator
 from lmcache_svc.v1 import cache_pb2 as pb
 from lmcache_svc.v1 import cache_pb2_grpc as pb_grpc
-from lmcache_svc.wire import (
-    ERROR_KIND_KEY,
-    PIECE_BYTES,
-    STORE_STATUS_CODES,
-    channel_options,
-    medium_to_pb,
-    namespace_from_pb,
-)
+from lmcache_svc.wire import STORE_STATUS_CODES, channel_options, medium_to_pb, namespace_from_pb
 
-log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 SERVICE_NAME = "lmcache_svc.v1.CacheService"
-
-
-async def _abort(
-    context: grpc.aio.ServicerContext, error: Exception, metrics: Metrics, method: str
-) -> None:
-    """End the call with the status that reports ``error`` (counted in the errors metric).
-
-    A project error sends its message and kind. Anything else is a bug: ``INTERNAL`` with a
-    generic message, the traceback only in the server's log (never ``UNKNOWN`` with the
-    exception's text, which may show internals to the client).
-    """
-    if isinstance(error, LMCacheSvcError):
-        kind, message = error.kind, str(error)
-    else:
-        log.error("gRPC %s failed unexpectedly", method, exc_info=error)
-        kind, message = INTERNAL_KIND, f"internal error in {method}; the server log has details"
-    metrics.errors.labels(kind=kind).inc()
-    context.set_trailing_metadata(((ERROR_KIND_KEY, kind),))
-    await context.abort(grpc_code(error), message)
-
-
-class _Servicer(Protocol):
-    _metrics: Metrics
-
-
-S = TypeVar("S", bound=_Servicer)
-R = TypeVar("R")  # a request message, or a stream of them
-Handler = Callable[[S, R, grpc.aio.ServicerContext], Awaitable[T]]
-
-
-def _rpc(method: Handler[S, R, T]) -> Handler[S, R, T]:
-    """Count and time a unary call; turn errors into status codes (``_abort``)."""
-    name = method.__name__
-
-    @functools.wraps(method)
-    async def wrapper(self: S, request: R, context: grpc.aio.ServicerContext) -> T:
-        start = time.perf_counter()
-        code = grpc.StatusCode.OK
-        try:
-            return await method(self, request, context)
-        except grpc.aio.AbortError:
-            raise  # the method ended the call itself
-        except Exception as e:
-            code = grpc_code(e)
-            await _abort(context, e, self._metrics, name)
-            raise  # unreachable: abort raises
-        finally:
-            self._metrics.requests.labels(transport="grpc", method=name, code=code.name).inc()
-            self._metrics.request_latency.labels(transport="grpc", method=name).observe(
-                time.perf_counter() - start
-            )
-
-    return wrapper
 
 
 class CacheServicer(pb_grpc.CacheServiceServicer):
     def __init__(self, cache: TieredCache, *, max_body_bytes: int, workers: int) -> None:
         self._cache = cache
         self._metrics = cache.metrics
-        self._max_body_bytes = max_body_bytes
         # Calls that may wait on a lower tier (Redis, disk).
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="lmcache-svc-grpc")
+        self._inline = InlineTransfers(cache, max_body_bytes=max_body_bytes, pool=self._pool)
         # Calls that touch only the arena: never queued behind a hung lower tier.
         self._arena_pool = ThreadPoolExecutor(
             max_workers=workers, thread_name_prefix="lmcache-svc-arena"
@@ -158,7 +88,7 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
         self._pool.shutdown(wait=False)
         self._arena_pool.shutdown(wait=False)
 
-    @_rpc
+    @unary_rpc
     async def RegisterNamespace(
         self, request: pb.RegisterNamespaceRequest, context: grpc.aio.ServicerContext
     ) -> pb.RegisterNamespaceResponse:
@@ -177,7 +107,7 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
             self._metrics.requests.labels(
                 transport="grpc", method="OpenSession", code=grpc_code(e).name
             ).inc()
-            await _abort(context, e, self._metrics, "OpenSession")
+            await abort_call(context, e, self._metrics, "OpenSession")
             raise  # unreachable: abort raises
         self._metrics.requests.labels(transport="grpc", method="OpenSession", code="OK").inc()
         try:
@@ -195,7 +125,7 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
             # The client went away (or the server stops): reclaim what it held.
             await self._slots(self._cache.close_session, session_id, arena_only=True)
 
-    @_rpc
+    @unary_rpc
     async def Lookup(
         self, request: pb.LookupRequest, context: grpc.aio.ServicerContext
     ) -> pb.LookupResponse:
@@ -209,6 +139,13 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
             tiers=result.tiers,
             media=[medium_to_pb(m) for m in result.media],
         )
+
+    @unary_rpc
+    async def ReportLookups(
+        self, request: pb.ReportLookupsRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ReportLookupsResponse:
+        count_report(self._cache, request)
+        return pb.ReportLookupsResponse()
 
     def _check_session(self, session_id: str) -> None:
         if session_id and not self._cache.has_session(session_id):
@@ -226,7 +163,7 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
                 "(its reservations belong to it); without shared memory, use Put"
             )
 
-    @_rpc
+    @unary_rpc
     async def PrepareStore(
         self, request: pb.PrepareStoreRequest, context: grpc.aio.ServicerContext
     ) -> pb.PrepareStoreResponse:
@@ -251,7 +188,7 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
         ]
         return pb.PrepareStoreResponse(slots=slots, segment_name=self._cache.segment().name)
 
-    @_rpc
+    @unary_rpc
     async def CommitStore(
         self, request: pb.CommitStoreRequest, context: grpc.aio.ServicerContext
     ) -> pb.CommitStoreResponse:
@@ -278,7 +215,7 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
         )
         return pb.CommitStoreResponse(num_committed=num)
 
-    @_rpc
+    @unary_rpc
     async def PrepareLoad(
         self, request: pb.PrepareLoadRequest, context: grpc.aio.ServicerContext
     ) -> pb.PrepareLoadResponse:
@@ -302,97 +239,25 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
             lease_id=lease.lease_id or "", slots=slots, segment_name=self._cache.segment().name
         )
 
-    @_rpc
+    @unary_rpc
     async def ReleaseLoad(
         self, request: pb.ReleaseLoadRequest, context: grpc.aio.ServicerContext
     ) -> pb.ReleaseLoadResponse:
         return pb.ReleaseLoadResponse(released=self._cache.release_load(request.lease_id))
 
-    @_rpc
+    @unary_rpc
     async def Put(
         self, request_iterator: AsyncIterator[pb.ChunkPart], context: grpc.aio.ServicerContext
     ) -> pb.PutResponse:
-        counts = _PutCounts()
-        upload: _Upload | None = None
-        parts = aiter(request_iterator)
-        try:
-            while (part := await _next_part(parts, upload)) is not None:
-                if part.HasField("header"):
-                    if upload is not None:
-                        upload.finish(counts)
-                    upload = await self._run(self._begin_upload, part.header)
-                elif upload is None:
-                    raise InvalidArgument("Put stream sent data before a chunk header")
-                else:
-                    upload.write(part.data)
-            if upload is not None:
-                upload.finish(counts)
-                upload = None
-        finally:
-            if upload is not None:
-                upload.abort()
-        return pb.PutResponse(
-            num_stored=counts.stored,
-            num_no_space=counts.no_space,
-            num_in_progress=counts.in_progress,
-        )
-
-    def _begin_upload(self, header: pb.ChunkHeader) -> _Upload:
-        ns = self._cache.namespace(header.namespace_id)
-        if header.length > self._max_body_bytes:
-            raise PayloadTooLarge(
-                f"chunk of {header.length} bytes is over max_body_bytes ({self._max_body_bytes})"
-            )
-        if header.length != ns.chunk_bytes:
-            raise SizeMismatch(
-                f"chunk header says {header.length} bytes; namespace {ns.namespace_id.hex()} "
-                f"stores chunks of exactly {ns.chunk_bytes} bytes"
-            )
-        return _Upload(self._cache, header.namespace_id, check_chunk_hash(header.chunk_hash))
+        return await self._inline.put(request_iterator)
 
     async def Get(
         self, request: pb.GetRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.ChunkPart]:
-        start = time.perf_counter()
-        code = "OK"
-        try:
-            self._cache.check_batch(request.namespace_id, len(request.chunk_hashes))
-            keys = [check_chunk_hash(h) for h in request.chunk_hashes]
-            for h in keys:
-                found = await self._run(
-                    self._cache.get, request.namespace_id, h, verify=request.verify
-                )
-                if found is None:
-                    yield pb.ChunkPart(
-                        header=pb.ChunkHeader(
-                            namespace_id=request.namespace_id, chunk_hash=h, found=False
-                        )
-                    )
-                    continue
-                data, tier = found
-                yield pb.ChunkPart(
-                    header=pb.ChunkHeader(
-                        namespace_id=request.namespace_id,
-                        chunk_hash=h,
-                        length=len(data),
-                        found=True,
-                        tier=tier,
-                    )
-                )
-                for i in range(0, len(data), PIECE_BYTES):
-                    yield pb.ChunkPart(data=data[i : i + PIECE_BYTES])
-        except grpc.aio.AbortError:
-            raise
-        except Exception as e:
-            code = grpc_code(e).name
-            await _abort(context, e, self._metrics, "Get")
-        finally:
-            self._metrics.requests.labels(transport="grpc", method="Get", code=code).inc()
-            self._metrics.request_latency.labels(transport="grpc", method="Get").observe(
-                time.perf_counter() - start
-            )
+        async for part in self._inline.get(request, context):
+            yield part
 
-    @_rpc
+    @unary_rpc
     async def Delete(
         self, request: pb.DeleteRequest, context: grpc.aio.ServicerContext
     ) -> pb.DeleteResponse:
@@ -401,101 +266,11 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
         )
         return pb.DeleteResponse(num_deleted=num)
 
-    @_rpc
+    @unary_rpc
     async def Stats(
         self, request: pb.StatsRequest, context: grpc.aio.ServicerContext
     ) -> pb.StatsResponse:
         return pb.StatsResponse(**stats_fields(self._cache), version=__version__)
-
-
-async def _next_part(
-    parts: AsyncIterator[pb.ChunkPart], upload: _Upload | None
-) -> pb.ChunkPart | None:
-    """The stream's next part (None at its end); a client that stalls while an upload holds
-    a reservation gets ``ReservationExpired`` when the reservation runs out."""
-    timeout = upload.seconds_left() if upload is not None else None
-    try:
-        return await asyncio.wait_for(anext(parts, None), timeout)
-    except TimeoutError:
-        assert upload is not None
-        raise upload.expired_error("the client sent nothing more before it ran out") from None
-
-
-@dataclasses.dataclass(slots=True)
-class _PutCounts:
-    stored: int = 0
-    no_space: int = 0
-    in_progress: int = 0
-
-
-class _Upload:
-    """One inline chunk being written straight into a reserved slot.
-
-    The reservation is the upload's own (owner ``put-<random>``). Before each write it
-    checks the reservation is still its own and extends it (data arriving is progress), up to
-    ``max_reservation_ttl_s`` in all; once it has expired, writes and the commit fail with
-    ``ReservationExpired`` and nothing is stored. An expired reservation's slot is
-    quarantined by the cache, not reused, until this upload commits or aborts it, so a
-    write racing with the expiry can only land in a slot no other chunk has.
-    """
-
-    def __init__(self, cache: TieredCache, namespace_id: bytes, chunk_hash: bytes) -> None:
-        self._cache, self._ns_id, self._hash = cache, namespace_id, chunk_hash
-        self._owner = f"put-{secrets.token_hex(8)}"
-        self._ttl_s = cache.settings.reservation_ttl_s
-        now = time.monotonic()
-        self._last_deadline = now + cache.settings.max_reservation_ttl_s
-        (prepared,) = cache.prepare_store(namespace_id, [chunk_hash], session_id=self._owner)
-        self._deadline = now + self._ttl_s
-        self.status = prepared.status
-        self._view = cache.view(prepared.slot) if prepared.slot is not None else None
-        self._size = cache.namespace(namespace_id).chunk_bytes
-        self._written = 0
-
-    def seconds_left(self) -> float | None:
-        """Until the reservation expires (None: the upload holds none)."""
-        if self._view is None:
-            return None
-        return max(0.0, self._deadline - time.monotonic())
-
-    def expired_error(self, why: str) -> ReservationExpired:
-        return ReservationExpired(
-            f"chunk {self._hash.hex()} was not stored: its reservation expired after "
-            f"{self._written} of {self._size} bytes ({why})"
-        )
-
-    def write(self, data: bytes) -> None:
-        end = self._written + len(data)
-        if end > self._size:
-            raise SizeMismatch(f"chunk data runs past its header's {self._size} bytes")
-        if self._view is not None:
-            deadline = min(time.monotonic() + self._ttl_s, self._last_deadline)
-            if not self._cache.renew_store(self._ns_id, self._hash, self._owner, deadline):
-                raise self.expired_error("the data came too slowly")
-            self._deadline = max(self._deadline, deadline)
-            self._view[self._written : end] = data
-        self._written = end
-
-    def finish(self, counts: _PutCounts) -> None:
-        if self._written != self._size:
-            raise SizeMismatch(
-                f"chunk {self._hash.hex()} got {self._written} of its {self._size} bytes"
-            )
-        if self._view is not None:
-            self._view = None
-            if not self._cache.commit_store(self._ns_id, [self._hash], session_id=self._owner):
-                raise self.expired_error("it was complete only after its deadline")
-        if self.status == "no_space":
-            counts.no_space += 1
-        elif self.status == "in_progress":
-            counts.in_progress += 1
-        else:
-            counts.stored += 1
-
-    def abort(self) -> None:
-        if self._view is not None:
-            self._view = None
-            self._cache.abort_store(self._ns_id, [self._hash], session_id=self._owner)
 
 
 def build_grpc_server(

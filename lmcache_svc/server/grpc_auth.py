@@ -55,6 +55,7 @@ _CACHE_POLICIES: dict[str, _Policy] = {
     "RegisterNamespace": _Policy(_register),
     "OpenSession": _Policy(note_caller),  # its lookup-index tables: the caller's tenant
     "Lookup": _Policy(_own_namespace_id),
+    "ReportLookups": _Policy(_own_namespace_id),  # the lookups it answered from the index
     "PrepareStore": _Policy(_own_namespace_id, write=True),
     "CommitStore": _Policy(_own_namespace_id, write=True),
     "PrepareLoad": _Policy(_own_namespace_id),

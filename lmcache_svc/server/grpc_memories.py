@@ -16,7 +16,7 @@ import grpc
 from lmcache_svc.errors import InvalidArgument, LMCacheSvcError, PayloadTooLarge
 from lmcache_svc.memories.store import MemoryStore
 from lmcache_svc.metrics import Metrics
-from lmcache_svc.server.grpc import _rpc
+from lmcache_svc.server.grpc_calls import unary_rpc
 from lmcache_svc.server.status import grpc_code
 from lmcache_svc.server.tenancy import caller_tenant
 from lmcache_svc.server.tokens import Authenticator, principal_of
@@ -36,7 +36,7 @@ class MemoryServicer(pb_grpc.MemoryServiceServicer):
         header = dict(context.invocation_metadata() or ()).get("authorization")
         return caller_tenant(principal_of(self._auth, header if isinstance(header, str) else None))
 
-    @_rpc
+    @unary_rpc
     async def PutMemory(
         self, request_iterator: AsyncIterator[pb.MemoryPart], context: grpc.aio.ServicerContext
     ) -> pb.PutMemoryResponse:
@@ -94,14 +94,14 @@ class MemoryServicer(pb_grpc.MemoryServiceServicer):
                 time.perf_counter() - start
             )
 
-    @_rpc
+    @unary_rpc
     async def ListMemories(
         self, request: pb.ListMemoriesRequest, context: grpc.aio.ServicerContext
     ) -> pb.ListMemoriesResponse:
         infos = self._store.list(self._tenant(context))
         return pb.ListMemoriesResponse(memories=[memory_info_to_pb(i) for i in infos])
 
-    @_rpc
+    @unary_rpc
     async def DeleteMemory(
         self, request: pb.DeleteMemoryRequest, context: grpc.aio.ServicerContext
     ) -> pb.DeleteMemoryResponse:

@@ -127,6 +127,22 @@ class LookupResponse(_message.Message):
     media: _containers.RepeatedScalarFieldContainer[Medium]
     def __init__(self, num_hit_chunks: _Optional[int] = ..., tiers: _Optional[_Iterable[str]] = ..., media: _Optional[_Iterable[_Union[Medium, str]]] = ...) -> None: ...
 
+class ReportLookupsRequest(_message.Message):
+    __slots__ = ("namespace_id", "num_lookups", "num_chunks", "num_hit_chunks")
+    NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_LOOKUPS_FIELD_NUMBER: _ClassVar[int]
+    NUM_CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_HIT_CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    namespace_id: bytes
+    num_lookups: int
+    num_chunks: int
+    num_hit_chunks: int
+    def __init__(self, namespace_id: _Optional[bytes] = ..., num_lookups: _Optional[int] = ..., num_chunks: _Optional[int] = ..., num_hit_chunks: _Optional[int] = ...) -> None: ...
+
+class ReportLookupsResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
 class PrepareStoreRequest(_message.Message):
     __slots__ = ("namespace_id", "chunk_hashes", "session_id", "ttl_ms")
     NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]

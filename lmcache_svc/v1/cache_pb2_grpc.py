@@ -49,6 +49,11 @@ class CacheServiceStub:
                 request_serializer=lmcache__svc_dot_v1_dot_cache__pb2.LookupRequest.SerializeToString,
                 response_deserializer=lmcache__svc_dot_v1_dot_cache__pb2.LookupResponse.FromString,
                 _registered_method=True)
+        self.ReportLookups = channel.unary_unary(
+                '/lmcache_svc.v1.CacheService/ReportLookups',
+                request_serializer=lmcache__svc_dot_v1_dot_cache__pb2.ReportLookupsRequest.SerializeToString,
+                response_deserializer=lmcache__svc_dot_v1_dot_cache__pb2.ReportLookupsResponse.FromString,
+                _registered_method=True)
         self.PrepareStore = channel.unary_unary(
                 '/lmcache_svc.v1.CacheService/PrepareStore',
                 request_serializer=lmcache__svc_dot_v1_dot_cache__pb2.PrepareStoreRequest.SerializeToString,
@@ -112,6 +117,14 @@ class CacheServiceServicer:
 
     def Lookup(self, request, context):
         """Longest contiguous prefix of the given chunks present in any tier.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReportLookups(self, request, context):
+        """Lookups a client answered itself from the shared-memory lookup index, counted since its
+        last report: the server adds them to its lookup counters as if each had been a Lookup.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -187,6 +200,11 @@ def add_CacheServiceServicer_to_server(servicer, server):
                     servicer.Lookup,
                     request_deserializer=lmcache__svc_dot_v1_dot_cache__pb2.LookupRequest.FromString,
                     response_serializer=lmcache__svc_dot_v1_dot_cache__pb2.LookupResponse.SerializeToString,
+            ),
+            'ReportLookups': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReportLookups,
+                    request_deserializer=lmcache__svc_dot_v1_dot_cache__pb2.ReportLookupsRequest.FromString,
+                    response_serializer=lmcache__svc_dot_v1_dot_cache__pb2.ReportLookupsResponse.SerializeToString,
             ),
             'PrepareStore': grpc.unary_unary_rpc_method_handler(
                     servicer.PrepareStore,
@@ -310,6 +328,33 @@ class CacheService:
             '/lmcache_svc.v1.CacheService/Lookup',
             lmcache__svc_dot_v1_dot_cache__pb2.LookupRequest.SerializeToString,
             lmcache__svc_dot_v1_dot_cache__pb2.LookupResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReportLookups(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/lmcache_svc.v1.CacheService/ReportLookups',
+            lmcache__svc_dot_v1_dot_cache__pb2.ReportLookupsRequest.SerializeToString,
+            lmcache__svc_dot_v1_dot_cache__pb2.ReportLookupsResponse.FromString,
             options,
             channel_credentials,
             insecure,

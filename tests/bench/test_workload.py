@@ -110,10 +110,17 @@ def test_quick_mode_end_to_end(tmp_path: Path) -> None:
     for name in ("arena", "ssd"):  # the server served hits that vLLM had evicted
         assert results[name]["vllm"]["external_prefix_cache_hits"] > 0
         assert results[name]["vllm"]["prompt_tokens_external_kv_transfer"] > 0
-        # bytes read from the tiers count every load (lookups answered by the shm index never
-        # reach the server's lookup counters)
+        # bytes read from the tiers count every load
         side = results[name]["sidecar"]
         assert sum(v for k, v in side.items() if k.startswith("read_bytes_")) > 0
+        # the server's lookup counters count every lookup, over gRPC or reported
+        assert side["lookup_chunks"] >= side["lookup_hit_chunks"] > 0
+    # With the arena alone the plugin answers every lookup from the shm index; the hits
+    # reach the server's counters through its reports (the last scrape waits one interval).
+    # (With an SSD below, a partial hit is not final there and goes over gRPC.)
+    arena = results["arena"]["sidecar"]
+    assert arena["index_lookups"] > 0
+    assert arena["lookup_hit_chunks"] == arena["chunk_hits_cpu"] > 0
     ssd = results["ssd"]["sidecar"]
     assert any(k.startswith("written_bytes_") and "ssd" in k and v > 0 for k, v in ssd.items())
     assert report.data["checks_ok"]

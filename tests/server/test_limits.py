@@ -270,7 +270,7 @@ def test_an_unexpected_exception_is_internal_with_a_generic_message(
         )),
         "OpenSession": lambda: next(iter(stub.OpenSession(pb.OpenSessionRequest(), timeout=10))),
     }  # fmt: skip
-    with caplog.at_level(logging.ERROR, logger="lmcache_svc.server.grpc"):
+    with caplog.at_level(logging.ERROR, logger="lmcache_svc.server.grpc_calls"):
         err = rpc_error(calls[method])
     assert err.code() == grpc.StatusCode.INTERNAL, err.details()
     assert "secret" not in err.details() and "Traceback" not in err.details()

@@ -9,6 +9,7 @@ import hashlib
 import threading
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -55,7 +56,7 @@ def make_cache(
         first,
         lower or [],
         settings=CacheSettings(high_watermark=1.0, checksums=False),
-        lookup_index=IndexPublisher(first.name, num_slots=64),
+        lookup_index=IndexPublisher(first.name, first.medium, num_slots=64),
     )
     if register:
         cache.register_namespace(ACME_NS)
@@ -102,8 +103,8 @@ class Served:
         servicer.stop()
         await server.stop(grace=None)
 
-    def client(self, token: str, local_lookup: bool = True) -> CacheClient:
-        return CacheClient(self.socket, auth_token=token, local_lookup=local_lookup)
+    def client(self, token: str, local_lookup: bool = True, **kwargs: Any) -> CacheClient:
+        return CacheClient(self.socket, auth_token=token, local_lookup=local_lookup, **kwargs)
 
     def close(self) -> None:
         self._stopped.set()
