@@ -10,10 +10,13 @@ reservation is still the session's and not past its deadline (else nothing is pu
 and that the chunk is not stored or being stored already (else the placeholder stays
 reserved and comes back to the pool).
 
-The pool holds as many slots as the largest store taken from it asked for (at most
+The pool holds twice as many slots as the largest store taken from it asked for (at most
 ``max_slots``), refilled on a background thread after each store the server answered (so a
-server that is down is not asked by the pool too). A slot is used only in the first half
-of its reservation's lifetime; older ones are aborted at the next refill. Thread-safe.
+server that is down is not asked by the pool too): a store that follows another at once,
+before that one's bind and refill have come back, still finds its slots (with one store's
+worth, every second store of a burst paid a ``prepare_store`` round trip before its
+copies). A slot is used only in the first half of its reservation's lifetime; older ones
+are aborted at the next refill. Thread-safe.
 """
 
 from __future__ import annotations
@@ -61,7 +64,7 @@ class StorePool:
         self.max_slots = max_slots
         self.ttl_s = ttl_s
         self.target = 0
-        """Slots the pool keeps: the largest take so far, at most ``max_slots``."""
+        """Slots the pool keeps: twice the largest take so far, at most ``max_slots``."""
         self._slots: deque[PooledSlot] = deque()
         self._lock = threading.Lock()
         self._refiller = ThreadPoolExecutor(1, thread_name_prefix="lmcache-svc-pool")
@@ -84,7 +87,7 @@ class StorePool:
         now = time.monotonic()
         out: list[PooledSlot] = []
         with self._lock:
-            self.target = min(self.max_slots, max(self.target, num))
+            self.target = min(self.max_slots, max(self.target, 2 * num))
             while self._slots and len(out) < num:
                 slot = self._slots.popleft()
                 if slot.session_id == session_id and slot.use_by > now:
