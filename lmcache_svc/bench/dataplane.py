@@ -275,8 +275,11 @@ def _sweep_table(report: Report, p: Params, sweep: Sweep) -> None:
         "(before each load). "
         "Same memory state everywhere: source and destination tensors touched before timing, "
         "server arena pre-faulted (--prefault sync), client mapping pre-faulted "
-        "(CacheClient.wait_shm_ready). 'vs copy': each path's GB/s over the copy timed just "
-        "before it, median of those ratios. Bytes read back equal the bytes written: "
+        "(CacheClient.wait_shm_ready). Every copy starts with the server idle (its threads "
+        "under 5 ms of CPU in 100 ms): the previous path's background work (its checksums) "
+        "is in neither the copy nor the path after it. 'vs copy': each path's GB/s over "
+        "the copy timed just before it, median of those ratios. Bytes read back equal the "
+        "bytes written: "
         + ("yes for every path and size" if all(sweep.checks.values()) else f"NO: {sweep.checks}")
     )
 
@@ -404,10 +407,17 @@ def _targets(
     w8 = Workload(8 * MiB, p.total_mib * MiB, p.request_mib * MiB)
     copies = sweep.gbps[COPY][8]
     waits = {
-        "store": "no round trip waits before the copies (slots come from the pool; the bind "
-        "and the refill run on other threads, the last bind is waited for)",
+        "store": "no round trip waits before the copies (slots come from the pool, which "
+        "keeps two requests' worth; the bind and the refill run on other threads, the last "
+        "bind is waited for)",
         "load": f"one prepare_load round trip per {p.request_mib} MiB request (a bare gRPC "
         f"call took {rpc_ms:.2f} ms in this run, ~{{share:.0%}} of the path's time)",
+    }
+    beside = {
+        "store": "the binds and refills on the other threads, other processes; the server's "
+        "checksums wait until no commit came for cache.checksum_quiet_s, or a chunk waited "
+        "checksum_max_delay_s",
+        "load": "the releases on the I/O thread, other processes",
     }
     for name, label in (("shm store", "store"), ("shm load", "load")):
         path_s = w8.moved_bytes / (sweep.median(name, 8) * 1e9)
@@ -415,10 +425,9 @@ def _targets(
         report.target(
             f"shm {label} vs same-run copy, 8 MiB chunks", sweep.median_ratio(name, 8), 0.9,
             why_missed=waits[label].format(share=share) + "; the rest is the copies "
-            "themselves, slowed by what runs beside them on 2 vCPUs (the server's background "
-            "checksums of the chunks just committed, the RPCs on the other threads, other "
-            f"processes): the paired copies ran at {min(copies):.1f}-{max(copies):.1f} GB/s "
-            "in this run",
+            f"themselves, slowed by what runs beside them on 2 vCPUs ({beside[label]}): the "
+            f"paired copies ran at {min(copies):.1f}-{max(copies):.1f} GB/s in this run, "
+            f"{p.rounds} round(s)",
         )  # fmt: skip
     if not theirs:
         return
