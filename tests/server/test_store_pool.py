@@ -200,3 +200,20 @@ def test_the_pool_keeps_two_stores_worth_so_back_to_back_stores_find_slots(serve
         assert capped.target == 3  # never past max_slots
         pool.close()
         capped.close()
+
+
+def test_slots_of_a_failed_bind_are_aborted_not_handed_out_again(serve) -> None:
+    srv = serve(4)
+    with CacheClient(srv.socket) as client:
+        pool = filled(client, 2)
+        (slot,) = pool.take(1)
+        slot.buffer[:] = make_chunk("a")
+        with pytest.raises(errors.InvalidArgument):  # refused: one placeholder for two
+            pool.bind([make_hash("a"), make_hash("b")], [slot])
+        assert srv.cache.num_pending_stores() == 2  # still reserved on the server
+        assert slot not in pool.take(2)  # never handed out again
+        pool.target = 0
+        pool.refill()  # the next refill gives it back
+        assert srv.cache.num_pending_stores() == 1  # the other one, taken just above
+        assert client.lookup(NS_ID, [make_hash("a")]).num_hit_chunks == 0
+        pool.close()
