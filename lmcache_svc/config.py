@@ -185,6 +185,11 @@ class CacheConfig(_Section):
     """Keep an xxh3-64 checksum of each arena chunk (taken in the background after commit
     or promotion; 8 bytes per 4 KiB of arena), checked before a chunk is demoted or written
     through and when a load or get asks ``verify``: a chunk that fails is dropped."""
+    checksum_quiet_s: float = Field(0.05, ge=0, le=60)
+    """The background checksums wait until no chunk has been committed for this long
+    (stores still arriving: the hashing would slow the client's copies) ..."""
+    checksum_max_delay_s: float = Field(1.0, ge=0, le=60)
+    """... or until the oldest chunk waiting has waited this long (under steady stores)."""
     maintenance_interval_s: float = Field(0.05, gt=0, le=60)
     """How often the background maintenance runs: it expires leases and reservations past
     their deadlines, evicts down to low_watermark and probes lower tiers marked down."""

@@ -10,10 +10,17 @@ reservation is still the session's and not past its deadline (else nothing is pu
 and that the chunk is not stored or being stored already (else the placeholder stays
 reserved and comes back to the pool).
 
-The pool holds as many slots as the largest store taken from it asked for (at most
+The pool holds twice as many slots as the largest store taken from it asked for (at most
 ``max_slots``), refilled on a background thread after each store the server answered (so a
-server that is down is not asked by the pool too). A slot is used only in the first half
-of its reservation's lifetime; older ones are aborted at the next refill. Thread-safe.
+server that is down is not asked by the pool too): a store that follows another at once,
+before that one's bind and refill have come back, still finds its slots (with one store's
+worth, every second store of a burst paid a ``prepare_store`` round trip before its
+copies). A slot is used only in the first half of its reservation's lifetime; older ones
+are aborted at the next refill. A bind that fails (no answer from a hung or restarted
+server, or refused) leaves its slots out of the pool for good: they are aborted at the next
+refill or at ``close`` (a placeholder the server did bind is unknown to it by then, so the
+chunk is untouched); before, each stayed reserved, then quarantined, against the session's
+limit until the session ended. Thread-safe.
 """
 
 from __future__ import annotations
@@ -61,13 +68,15 @@ class StorePool:
         self.max_slots = max_slots
         self.ttl_s = ttl_s
         self.target = 0
-        """Slots the pool keeps: the largest take so far, at most ``max_slots``."""
+        """Slots the pool keeps: twice the largest take so far, at most ``max_slots``."""
         self._slots: deque[PooledSlot] = deque()
         self._lock = threading.Lock()
         self._refiller = ThreadPoolExecutor(1, thread_name_prefix="lmcache-svc-pool")
         self._refill_queued = False
         self._refilling = threading.Lock()  # one refill at a time
         self._closed = False
+        self._unanswered: list[PooledSlot] = []
+        """Written slots whose bind got no answer: aborted at the next refill."""
 
     @property
     def num_slots(self) -> int:
@@ -84,7 +93,7 @@ class StorePool:
         now = time.monotonic()
         out: list[PooledSlot] = []
         with self._lock:
-            self.target = min(self.max_slots, max(self.target, num))
+            self.target = min(self.max_slots, max(self.target, 2 * num))
             while self._slots and len(out) < num:
                 slot = self._slots.popleft()
                 if slot.session_id == session_id and slot.use_by > now:
@@ -99,9 +108,14 @@ class StorePool:
         Slots whose chunk the server had already go back to the pool."""
         if not slots:
             return 0
-        num, kept = self._client.bind_store(
-            self._namespace_id, chunk_hashes, [s.placeholder for s in slots]
-        )
+        try:
+            num, kept = self._client.bind_store(
+                self._namespace_id, chunk_hashes, [s.placeholder for s in slots]
+            )
+        except LMCacheSvcError:  # bound or not: never handed out again; aborted later
+            with self._lock:
+                self._unanswered.extend(slots)
+            raise
         self.refill_soon()  # the server answered: top the pool up
         if kept:
             by_placeholder = {s.placeholder: s for s in slots}
@@ -147,6 +161,7 @@ class StorePool:
 
     def _refill(self) -> int:
         self._abort_quietly(self._drop_stale())
+        self._abort_unanswered()
         added = 0
         while True:
             with self._lock:
@@ -186,15 +201,30 @@ class StorePool:
                 )
         return [s for s in stale if s.session_id == session_id]  # others died with theirs
 
-    def _abort_quietly(self, slots: Sequence[PooledSlot]) -> None:
+    def _abort_unanswered(self) -> None:
+        """Abort the slots of binds that got no answer (a hung or restarted server). Their
+        writer is done; a placeholder the server bound after all is unknown to it now, so
+        the abort does nothing to the chunk. Otherwise each would stay reserved (then
+        quarantined) against the session's limit until the session ends."""
+        session_id = self._client.session_id
+        with self._lock:
+            slots, self._unanswered = self._unanswered, []
+        mine = [s for s in slots if s.session_id == session_id]  # others died with theirs
+        if mine and not self._abort_quietly(mine):
+            with self._lock:
+                self._unanswered.extend(mine)
+
+    def _abort_quietly(self, slots: Sequence[PooledSlot]) -> bool:
         if not slots:
-            return
+            return True
         try:
             self._client.commit_store(
                 self._namespace_id, [s.placeholder for s in slots], abort=True
             )
         except LMCacheSvcError as e:  # they expire and are given back at session end
             log.debug("aborting %d pooled slots failed: %s", len(slots), e)
+            return False
+        return True
 
     def close(self) -> None:
         """Give every pooled slot back (best effort) and stop the refill thread."""
@@ -203,3 +233,4 @@ class StorePool:
             slots, self._slots = list(self._slots), deque()
         self._refiller.shutdown(wait=True, cancel_futures=True)
         self._abort_quietly([s for s in slots if s.session_id == self._client.session_id])
+        self._abort_unanswered()

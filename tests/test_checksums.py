@@ -5,6 +5,7 @@ that asks ``verify``; it is dropped and counted."""
 from __future__ import annotations
 
 import hashlib
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -152,3 +153,32 @@ def test_checksums_can_be_turned_off(make_cache) -> None:
     put(cache, "a")
     corrupt(cache, "a")
     assert cache.get(NS_ID, h("a"), verify=True)[0] != chunk("a")
+
+
+def test_paced_checksums_are_all_taken_without_a_flush(make_cache) -> None:
+    """Commits keep coming (never quiet for a minute), yet every chunk gets its checksum
+    once it has waited ``checksum_max_delay_s``: a later corruption is caught."""
+    cache = make_cache(8, checksum_quiet_s=60, checksum_max_delay_s=0.2)
+    names = [f"c{i}" for i in range(6)]
+    for name in names:
+        assert cache.put(NS_ID, h(name), chunk(name)) == "reserved"
+        time.sleep(0.05)
+    deadline = time.monotonic() + 10
+    while cache._checksummer._num_pending and time.monotonic() < deadline:
+        time.sleep(0.01)
+    for name in names:
+        corrupt(cache, name)
+        assert cache.get(NS_ID, h(name), verify=True) is None
+    assert num_corrupted(cache) == len(names)
+
+
+def test_a_write_through_takes_the_checksum_the_pace_has_not_yet(make_cache) -> None:
+    cache = make_cache(4, ssd_chunks=4, write_through=True, checksum_quiet_s=60,
+                       checksum_max_delay_s=60)  # fmt: skip
+    assert cache.put(NS_ID, h("a"), chunk("a")) == "reserved"
+    assert cache._write_through.flush(10)  # the paced checksum is still waiting
+    assert cache._checksummer._num_pending == 1
+    corrupt(cache, "a")
+    assert cache.get(NS_ID, h("a"), verify=True) is None  # dropped from the arena ...
+    assert num_corrupted(cache) == 1
+    assert cache.get(NS_ID, h("a"), verify=True)[0] == chunk("a")  # ... the SSD copy is good

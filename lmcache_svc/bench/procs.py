@@ -68,6 +68,30 @@ class ServerProc:
         if "shm" in self.ready:
             Path("/dev/shm", self.shm).unlink(missing_ok=True)
 
+    def cpu_s(self) -> float:
+        """CPU seconds the server's live threads have run so far (Linux schedstat, ns)."""
+        total = 0
+        for task in Path(f"/proc/{self.proc.pid}/task").iterdir():
+            try:
+                total += int((task / "schedstat").read_text().split()[0])
+            except (OSError, ValueError, IndexError):  # a thread that just ended
+                continue
+        return total / 1e9
+
+    def wait_idle(
+        self, window_s: float = 0.1, busy_s: float = 0.005, timeout_s: float = 10.0
+    ) -> bool:
+        """Wait until the server used at most ``busy_s`` of CPU in ``window_s`` (its
+        background work after the last requests done); False after ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        used = self.cpu_s()
+        while time.monotonic() < deadline:
+            time.sleep(window_s)
+            used, before = self.cpu_s(), used
+            if used - before <= busy_s:
+                return True
+        return False
+
     def cleanup(self) -> None:
         """Kill the server if it runs and remove what a killed server leaves behind."""
         self.kill()

@@ -13,7 +13,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Sequence
 
-from lmcache_svc.cache.background_queue import BackgroundQueue
+from lmcache_svc.cache.background_queue import BackgroundQueue, Pace
 from lmcache_svc.cache.chunk_index import ChunkIndex
 from lmcache_svc.cache.first_tier_manager import FirstTierManager
 from lmcache_svc.cache.lower_tier_manager import LowerTierManager
@@ -73,8 +73,10 @@ class CacheCore:
             self._first_tier.copy_through, enabled=self._lower.has_write_through
         )
         self._checksummer = BackgroundQueue(
-            self._first_tier.record_checksums, enabled=self.settings.checksums, name="checksums"
-        )
+            self._first_tier.record_checksums, enabled=self.settings.checksums, name="checksums",
+            pace=Pace(self.settings.checksum_quiet_s, self.settings.checksum_max_delay_s),
+            max_batch=8,  # paced between batches: a short one, so stores wait for little
+        )  # fmt: skip
         self._media = {t.name: t.medium for t in self.tiers}
         self.metrics.watch_tiers(lambda: [t.stats() for t in self.tiers])
 

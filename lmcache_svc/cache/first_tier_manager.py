@@ -6,7 +6,8 @@ found only below (for a load), and write-through copies of committed chunks. Bul
 run outside the lock, on entries that are pinned or detached from the index meanwhile.
 
 Checksums (``checksums.py``, when enabled): taken in the background after a commit or a
-promotion (``record_checksums``), checked before bytes leave the arena (demotion,
+promotion (``record_checksums``, paced: see background_queue.py), or by a write-through
+copy or a verified load that finds none, checked before bytes leave the arena (demotion,
 write-through) and on a verified load (``verified_prefix``). A chunk that fails is dropped
 and counted (``tier_errors{kind="corrupted"}``), never handed on.
 
@@ -129,6 +130,8 @@ class FirstTierManager:
         try:
             items = [(k, s, self._tier.view(s)) for k, s in zip(pinned, slots)]
             intact = [(k, v) for k, s, v in items if self._intact(k, s, v, condemn=True)]
+            for _, slot, view in items:  # not taken yet (paced): from the bytes copied now
+                self._record_missing(slot, view)
             self._lower.copy_through(intact)
         finally:
             self._unpin_all(pinned)
@@ -170,9 +173,10 @@ class FirstTierManager:
             return
         pinned, slots = self._pin_readable(keys)
         try:
-            values = [checksum(self._tier.view(s)) for s in slots]
+            missing = [s for s in slots if sums.stored(s) is None]  # none taken on the way
+            values = [checksum(self._tier.view(s)) for s in missing]
             with self._lock:
-                for slot, value in zip(slots, values):
+                for slot, value in zip(missing, values):
                     if sums.stored(slot) is None:
                         sums.record(slot, value)
         finally:
@@ -187,11 +191,16 @@ class FirstTierManager:
             view = self._tier.view(slot)
             if not self._intact(key, slot, view, condemn=True):
                 return num
-            if self._sums is not None and self._sums.stored(slot) is None:
-                value = checksum(view)
-                with self._lock:
-                    self._sums.record(slot, value)
+            self._record_missing(slot, view)
         return len(keys)
+
+    def _record_missing(self, slot: Slot, view: memoryview) -> None:
+        """Take the checksum of a pinned chunk that has none yet."""
+        if self._sums is not None and self._sums.stored(slot) is None:
+            value = checksum(view)
+            with self._lock:
+                if self._sums.stored(slot) is None:
+                    self._sums.record(slot, value)
 
     def _intact(self, key: ChunkKey, slot: Slot, view: memoryview, condemn: bool = False) -> bool:
         """False when the chunk's bytes differ from its checksum (counted; with ``condemn``,

@@ -175,3 +175,45 @@ def test_stale_slots_are_not_handed_out_and_are_given_back(serve) -> None:
         pool.abort(fresh)
         pool.close()
         assert srv.cache.num_pending_stores() == 0
+
+
+def test_the_pool_keeps_two_stores_worth_so_back_to_back_stores_find_slots(serve) -> None:
+    srv = serve(8)
+    with CacheClient(srv.socket) as client:
+        pool = StorePool(client, NS_ID, max_slots=8)
+        assert pool.take(2) == []  # empty at first: the store prepares its own
+        assert pool.target == 4  # twice the largest take
+        assert pool.refill() == 4
+        first, second = pool.take(2), pool.take(2)  # before any bind came back
+        assert len(first) == len(second) == 2
+        for i, slot in enumerate(first + second):
+            slot.buffer[:] = make_chunk(f"c{i}")
+        hashes = [make_hash(f"c{i}") for i in range(4)]
+        assert pool.bind(hashes[:2], first) + pool.bind(hashes[2:], second) == 4
+        assert client.load(NS_ID, hashes) == [make_chunk(f"c{i}") for i in range(4)]
+        deadline = time.monotonic() + 10  # refilled in the background after the binds
+        while pool.num_slots < 4 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert pool.num_slots == 4
+        capped = StorePool(client, NS_ID, max_slots=3)
+        capped.take(2)
+        assert capped.target == 3  # never past max_slots
+        pool.close()
+        capped.close()
+
+
+def test_slots_of_a_failed_bind_are_aborted_not_handed_out_again(serve) -> None:
+    srv = serve(4)
+    with CacheClient(srv.socket) as client:
+        pool = filled(client, 2)
+        (slot,) = pool.take(1)
+        slot.buffer[:] = make_chunk("a")
+        with pytest.raises(errors.InvalidArgument):  # refused: one placeholder for two
+            pool.bind([make_hash("a"), make_hash("b")], [slot])
+        assert srv.cache.num_pending_stores() == 2  # still reserved on the server
+        assert slot not in pool.take(2)  # never handed out again
+        pool.target = 0
+        pool.refill()  # the next refill gives it back
+        assert srv.cache.num_pending_stores() == 1  # the other one, taken just above
+        assert client.lookup(NS_ID, [make_hash("a")]).num_hit_chunks == 0
+        pool.close()

@@ -65,8 +65,8 @@ class ConnectorConfig:
     mapped here (same host, ``use_shm``), without a round trip; otherwise, or when the
     index cannot tell (a lower tier, an overflowed table), ask the server."""
     store_pool_chunks: int = 0
-    """Most shared-memory slots the worker keeps reserved ahead of its stores (it keeps as
-    many as its largest store so far needed), so a store copies without waiting for a
+    """Most shared-memory slots the worker keeps reserved ahead of its stores (it keeps
+    twice as many as its largest store so far needed), so a store copies without waiting for a
     reservation; they count against the session's reservation limit. 0: no pool."""
     auth_token: str | None = None
     """Bearer token for a server started with auth; default: $LMCACHE_SVC_AUTH_TOKEN."""
