@@ -259,9 +259,10 @@ def _sweep_table(report: Report, p: Params, sweep: Sweep) -> None:
         f"shm store: per {p.request_mib} MiB request, slots taken from the worker's store "
         "pool (reserved ahead, refilled in the background; filled once before the clock "
         "starts), torch copies into them, one bind (CommitStore with reserved_as) on an I/O "
-        "thread, as the vLLM plugin's worker does; timed until the last bind returned. "
-        "shm store (prepare per request): the path before the pool, one prepare_store per "
-        "request paid before its copies, one commit_store on the I/O thread. shm load: one "
+        "thread, as the vLLM plugin's worker does with store_pool_chunks > 0 (off by "
+        "default); timed until the last bind returned. shm store (prepare per request): the "
+        "plugin's default path, one prepare_store per request paid before its copies, one "
+        "commit_store on the I/O thread. shm load: one "
         "prepare_load per request, copies out of each slot, release_load on the I/O thread. "
         "In the side-by-side below every call is serial. gRPC: CacheClient.put/get, one stream "
         "per request. REST: one PUT/GET per chunk (httpx, keep-alive), bytes copied into the "
@@ -407,23 +408,35 @@ def _targets(
     w8 = Workload(8 * MiB, p.total_mib * MiB, p.request_mib * MiB)
     copies = sweep.gbps[COPY][8]
     waits = {
-        "store": "no round trip waits before the copies (slots come from the pool, which "
-        "keeps two requests' worth; the bind and the refill run on other threads, the last "
-        "bind is waited for)",
+        "store": f"one prepare_store round trip per {p.request_mib} MiB request before its "
+        f"copies (a bare gRPC call took {rpc_ms:.2f} ms in this run, ~{{share:.0%}} of the "
+        "path's time)",
+        "pooled store": "no round trip waits before the copies (slots come from the pool, "
+        "which keeps two requests' worth; the bind and the refill run on other threads, the "
+        "last bind is waited for)",
         "load": f"one prepare_load round trip per {p.request_mib} MiB request (a bare gRPC "
         f"call took {rpc_ms:.2f} ms in this run, ~{{share:.0%}} of the path's time)",
     }
+    checksums = (
+        "the server's checksums wait until no commit came for cache.checksum_quiet_s, or a "
+        "chunk waited checksum_max_delay_s"
+    )
     beside = {
-        "store": "the binds and refills on the other threads, other processes; the server's "
-        "checksums wait until no commit came for cache.checksum_quiet_s, or a chunk waited "
-        "checksum_max_delay_s",
+        "store": f"the commits on the I/O thread, other processes; {checksums}",
+        "pooled store": f"the binds and refills on the other threads, other processes; {checksums}",
         "load": "the releases on the I/O thread, other processes",
     }
-    for name, label in (("shm store", "store"), ("shm load", "load")):
+    paths = (  # the plugin's default first: its store pool is off (store_pool_chunks 0)
+        ("shm store (prepare per request)", "store", "the plugin's default path"),
+        ("shm store", "pooled store", "plugin store_pool_chunks > 0"),
+        ("shm load", "load", "the plugin's path"),
+    )
+    for name, label, which in paths:
         path_s = w8.moved_bytes / (sweep.median(name, 8) * 1e9)
         share = rpc_ms / 1e3 * w8.num_requests / path_s
         report.target(
-            f"shm {label} vs same-run copy, 8 MiB chunks", sweep.median_ratio(name, 8), 0.9,
+            f"shm {label} vs same-run copy, 8 MiB chunks ({which})",
+            sweep.median_ratio(name, 8), 0.9,
             why_missed=waits[label].format(share=share) + "; the rest is the copies "
             f"themselves, slowed by what runs beside them on 2 vCPUs ({beside[label]}): the "
             f"paired copies ran at {min(copies):.1f}-{max(copies):.1f} GB/s in this run, "

@@ -107,7 +107,7 @@ def test_quick_mode(tmp_path: Path) -> None:
         theirs = side.rows[2]
         assert theirs[0].startswith("LMCache") and all(_finite_positive(v) for v in theirs[1:6])
         assert theirs[6] is True  # LMCache's own checksums matched
-        assert len(report.targets) == 5
+        assert len(report.targets) == 6
     else:
         assert side.rows[2][1] == "unavailable" and side.rows[2][-1]
 
