@@ -82,9 +82,9 @@ def params(ctx: BenchContext) -> Params:
     quick = ctx.quick
     p = Params(
         model=ctx.option("model", "tiny" if quick else "medium"),
-        num_prompts=ctx.option("num_prompts", 8 if quick else 6),
+        num_prompts=ctx.option("num_prompts", 8 if quick else 4),
         min_len=ctx.option("min_len", 300),
-        max_len=ctx.option("max_len", 2000 if quick else 1500),
+        max_len=ctx.option("max_len", 2000 if quick else 1200),
         max_tokens=ctx.option("max_tokens", 4),
         rounds=ctx.option("rounds", 4 if quick else 16),
         seed=ctx.option("seed", 0),
@@ -119,17 +119,25 @@ class Verdict:
 
     @property
     def met(self) -> bool:
+        return self.cost_bound <= 1 - TARGET_RATIO
+
+    @property
+    def cost_bound(self) -> float:
+        """The cost the verdict rests on: 1 - the interval's low end when the A/B resolves
+        the target (1 - its high end when it resolves a miss), else the hook share."""
         if self.low >= TARGET_RATIO:
-            return True  # the A/B resolves it
-        return self.high >= TARGET_RATIO and self.hook_share <= 1 - TARGET_RATIO
+            return 1 - self.low
+        if self.high < TARGET_RATIO:
+            return 1 - self.high
+        return self.hook_share
 
     @property
     def basis(self) -> str:
         if self.low >= TARGET_RATIO:
-            return "A/B interval"
+            return "A/B (1 - the interval's low end)"
         if self.high < TARGET_RATIO:
-            return "A/B interval (a cost above 1%, resolved)"
-        return "hook share (A/B interval spans the target)"
+            return "A/B (1 - the interval's high end: a resolved cost)"
+        return "hook share (the A/B interval spans the target)"
 
 
 def _batch(p: Params, rng: random.Random) -> list[list[int]]:
@@ -248,9 +256,11 @@ def _write_report(
         lower_is_better=True,
     )
     report.target(
-        f"zero-hit cost at most 1%, by {v.basis}",
-        v.low if v.low >= TARGET_RATIO or v.high < TARGET_RATIO else 1 - v.hook_share,
-        TARGET_RATIO,
+        f"zero-hit cost, by {v.basis}",
+        100 * v.cost_bound,
+        100 * (1 - TARGET_RATIO),
+        unit="%",
+        lower_is_better=True,
         why_missed="" if v.met else _why_missed(v),
     )
     report.data["params"] = asdict(p)
