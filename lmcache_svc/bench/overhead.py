@@ -53,7 +53,7 @@ TARGET_RATIO = 0.99  # the issue: at most 1% of plain vLLM's throughput
 STAT_KEYS = (
     "lookups", "lookup_hit_tokens", "lookup_p50_ms", "lookup_p99_ms", "lookups_deferred",
     "lookup_failures", "save_chunks", "save_skipped_chunks", "save_gbps",
-    "scheduler_hook_ms", "worker_hook_ms", "hook_calls",
+    "scheduler_hook_ms", "worker_hook_ms", "hook_calls", "background_cpu_ms",
 )  # fmt: skip
 
 
@@ -82,11 +82,11 @@ def params(ctx: BenchContext) -> Params:
     quick = ctx.quick
     p = Params(
         model=ctx.option("model", "tiny" if quick else "medium"),
-        num_prompts=ctx.option("num_prompts", 8 if quick else 4),
+        num_prompts=ctx.option("num_prompts", 8 if quick else 2),
         min_len=ctx.option("min_len", 300),
-        max_len=ctx.option("max_len", 2000 if quick else 1200),
+        max_len=ctx.option("max_len", 2000 if quick else 600),
         max_tokens=ctx.option("max_tokens", 4),
-        rounds=ctx.option("rounds", 4 if quick else 16),
+        rounds=ctx.option("rounds", 4 if quick else 8),
         seed=ctx.option("seed", 0),
     )
     p.check()
@@ -104,10 +104,18 @@ class RunResult:
     num_cached_tokens: int
     hook_ms: float | None = None  # the plugin engine: time inside the plugin's hooks
     hook_calls: int | None = None
+    background_ms: float | None = None  # ... and CPU time of the plugin's threads
 
     @property
     def hook_share(self) -> float | None:
         return None if self.hook_ms is None else self.hook_ms / 1e3 / self.elapsed_s
+
+    @property
+    def plugin_share(self) -> float | None:
+        """Hooks + background CPU over wall time."""
+        if self.hook_ms is None:
+            return None
+        return (self.hook_ms + (self.background_ms or 0.0)) / 1e3 / self.elapsed_s
 
 
 @dataclass(frozen=True)
@@ -116,6 +124,7 @@ class Verdict:
     low: float  # its bootstrap 95% interval
     high: float
     hook_share: float  # all rounds' hook time / all rounds' plugin wall time
+    plugin_share: float  # the same with the plugin threads' CPU time added
 
     @property
     def met(self) -> bool:
@@ -129,7 +138,7 @@ class Verdict:
             return 1 - self.low
         if self.high < TARGET_RATIO:
             return 1 - self.high
-        return self.hook_share
+        return self.plugin_share
 
     @property
     def basis(self) -> str:
@@ -137,7 +146,7 @@ class Verdict:
             return "A/B (1 - the interval's low end)"
         if self.high < TARGET_RATIO:
             return "A/B (1 - the interval's high end: a resolved cost)"
-        return "hook share (the A/B interval spans the target)"
+        return "hooks + background CPU (the A/B interval spans the target)"
 
 
 def _batch(p: Params, rng: random.Random) -> list[list[int]]:
@@ -200,7 +209,11 @@ def _rounds(
                 round_stats.append(plugin_stats(engine))
                 result = _with_hooks(result, round_stats[-1])
             runs.append(result)
-            share = "" if result.hook_share is None else f", hooks {result.hook_share:.2%}"
+            share = (
+                ""
+                if result.hook_share is None
+                else f", hooks {result.hook_share:.2%}, + threads {result.plugin_share:.2%}"
+            )
             ctx.progress(
                 f"round {rnd} {engine.name}: {result.tokens_per_s:.0f} tokens/s "
                 f"({result.elapsed_s:.1f} s, cached tokens {result.num_cached_tokens}{share})"
@@ -210,7 +223,12 @@ def _rounds(
 
 def _with_hooks(result: RunResult, stats: dict[str, float]) -> RunResult:
     hook_ms = stats.get("scheduler_hook_ms", 0.0) + stats.get("worker_hook_ms", 0.0)
-    return replace(result, hook_ms=hook_ms, hook_calls=int(stats.get("hook_calls", 0)))
+    return replace(
+        result,
+        hook_ms=hook_ms,
+        hook_calls=int(stats.get("hook_calls", 0)),
+        background_ms=stats.get("background_cpu_ms", 0.0),
+    )
 
 
 def paired_ratios(runs: list[RunResult]) -> list[float]:
@@ -225,8 +243,10 @@ def verdict(runs: list[RunResult], seed: int = 0) -> Verdict:
     ratios = paired_ratios(runs)
     low, high = median_interval(ratios, seed=seed)
     plugin = [r for r in runs if r.hook_ms is not None]
+    wall_s = sum(r.elapsed_s for r in plugin)
     hook_s = sum(r.hook_ms or 0.0 for r in plugin) / 1e3
-    return Verdict(median(ratios), low, high, hook_s / sum(r.elapsed_s for r in plugin))
+    background_s = sum(r.background_ms or 0.0 for r in plugin) / 1e3
+    return Verdict(median(ratios), low, high, hook_s / wall_s, (hook_s + background_s) / wall_s)
 
 
 def _write_report(
@@ -274,16 +294,22 @@ def _write_report(
 def _why_missed(v: Verdict) -> str:
     if v.high < TARGET_RATIO:
         return f"plugin / plain {v.ratio:.3f}, 95% interval {v.low:.3f}-{v.high:.3f}"
-    return f"hook share {v.hook_share:.2%} > 1% (A/B interval {v.low:.3f}-{v.high:.3f})"
+    return (
+        f"hooks + background CPU {v.plugin_share:.2%} > 1% (A/B interval {v.low:.3f}-{v.high:.3f})"
+    )
 
 
 def _runs_table(report: Report, runs: list[RunResult]) -> None:
     table = report.table(
         "Throughput on unique prompts",
-        ["round", "engine", "tokens/s", "requests/s", "seconds", "cached tokens", "hook share"],
-    )
+        [
+            "round", "engine", "tokens/s", "requests/s", "seconds", "cached tokens",
+            "hook share", "hooks + threads",
+        ],
+    )  # fmt: skip
     for r in runs:
         share = "" if r.hook_share is None else f"{r.hook_share:.2%}"
+        both = "" if r.plugin_share is None else f"{r.plugin_share:.2%}"
         table.add(
             r.round,
             r.engine,
@@ -292,6 +318,7 @@ def _runs_table(report: Report, runs: list[RunResult]) -> None:
             r.elapsed_s,
             r.num_cached_tokens,
             share,
+            both,
         )
 
 
@@ -308,6 +335,9 @@ def _summary_table(report: Report, p: Params, runs: list[RunResult], v: Verdict)
     )
     summary.add("time in plugin hooks / wall time, all rounds", f"{v.hook_share:.3%}")
     summary.add("  the rounds' hook shares, min - max", f"{min(shares):.3%} - {max(shares):.3%}")
+    summary.add(
+        "(hooks + plugin threads' CPU time) / wall time, all rounds", f"{v.plugin_share:.3%}"
+    )
     summary.notes += [
         f"{p.num_prompts} unique random prompts of {p.min_len}-{p.max_len} tokens per round, "
         f"max_tokens={p.max_tokens}, one generate call; {p.model} model; {p.rounds} rounds, "
@@ -316,9 +346,10 @@ def _summary_table(report: Report, p: Params, runs: list[RunResult], v: Verdict)
         "Cached tokens must be 0 for the plugin engine (nothing hits); the plugin still "
         "looks every prompt up and stores every full chunk (its default size: 128 tokens here).",
         "Hook share: wall time inside the plugin's connector hooks (vLLM calls them "
-        "synchronously) over the plugin engine's wall time; it does not cover the plugin's "
-        "background threads or the server competing for the cores, nor vLLM's own "
-        "connector plumbing around the hooks.",
+        "synchronously) over the plugin engine's wall time. Adding the CPU time of the "
+        "plugin's own threads (lookups with hashing, slot reservations, commits) bounds what "
+        "they take from the cores as well; neither covers the server process nor vLLM's own "
+        "connector plumbing around the hooks (the A/B does, at its resolution).",
     ]
 
 

@@ -34,7 +34,7 @@ def _runs(pairs: list[tuple[float, float]], hook_ms: float) -> list[RunResult]:
     out = []
     for i, (plain, plugin) in enumerate(pairs, 1):
         out.append(RunResult("plain", i, plain, 1.0, 1.0, int(plain), 0))
-        out.append(RunResult("plugin", i, plugin, 1.0, 1.0, int(plugin), 0, hook_ms, 10))
+        out.append(RunResult("plugin", i, plugin, 1.0, 1.0, int(plugin), 0, hook_ms, 10, 1.0))
     return out
 
 
@@ -57,8 +57,9 @@ def test_verdict_is_met_only_when_resolved() -> None:
     assert verdict(_runs(tight, hook_ms=50.0)).met  # the A/B resolves it, whatever the hooks
     assert verdict(_runs(tight, hook_ms=50.0)).basis.startswith("A/B")
     noisy = [(100, p) for p in (80, 90, 95, 100, 105, 110, 120)]  # spans the target
-    assert verdict(_runs(noisy, hook_ms=5.0)).met  # 0.5% in hooks
-    assert verdict(_runs(noisy, hook_ms=5.0)).cost_bound == pytest.approx(0.005)
+    assert verdict(_runs(noisy, hook_ms=5.0)).met  # 0.5% in hooks, 0.1% in threads
+    assert verdict(_runs(noisy, hook_ms=5.0)).cost_bound == pytest.approx(0.006)
+    assert not verdict(_runs(noisy, hook_ms=9.5)).met  # 0.95% + 0.1%
     assert not verdict(_runs(noisy, hook_ms=20.0)).met  # 2% in hooks
     slow = [(100, p) for p in (90, 91, 92, 93, 94)]  # a resolved 6-10% cost
     v = verdict(_runs(slow, hook_ms=1.0))
@@ -77,16 +78,17 @@ def test_quick_mode_end_to_end(tmp_path: Path) -> None:
     assert sorted((r[0], r[1]) for r in runs) == sorted(
         (i, e) for i in range(1, rounds + 1) for e in ("plain", "plugin")
     )
-    for _, engine, tokens_per_s, requests_per_s, seconds, cached, share in runs:
+    for _, engine, tokens_per_s, requests_per_s, seconds, cached, share, both in runs:
         assert math.isfinite(tokens_per_s) and tokens_per_s > 0
         assert requests_per_s > 0 and seconds > 0
         assert cached == 0  # unique prompts: no hit, neither in vLLM nor from the server
-        assert (share != "") == (engine == "plugin")
+        assert (share != "") == (engine == "plugin") == (both != "")
     data = json.loads((tmp_path / "overhead.json").read_text())["data"]
     assert len(data["paired_ratios"]) == rounds
     v = data["verdict"]
     assert v["low"] <= v["ratio"] <= v["high"] and v["low"] > 0
     assert 0 < v["hook_share"] < 1  # the hooks ran, and took less than the whole round
+    assert v["hook_share"] < v["plugin_share"] < 1  # the plugin's threads did some work
     for run in data["runs"]:  # every plugin round has its own hook time
         assert (run["hook_ms"] is not None and run["hook_ms"] > 0) == (run["engine"] == "plugin")
     stats = data["plugin_stats"]
@@ -96,3 +98,4 @@ def test_quick_mode_end_to_end(tmp_path: Path) -> None:
     assert "lookup_hit_tokens" not in stats  # ... and nothing ever hit
     assert stats["scheduler_hook_ms"] > 0 and stats["worker_hook_ms"] > 0
     assert stats["hook_calls"] >= rounds * num_prompts  # at least a lookup hook per prompt
+    assert stats["background_cpu_ms"] > 0

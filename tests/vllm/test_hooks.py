@@ -88,3 +88,25 @@ def test_the_accounting_is_cheap() -> None:
     print(f"timed adds {added_ns:.0f} ns per call")
     assert added_ns < 2_000
     assert hooks.hook_clock.calls == 5 * n
+
+
+def test_background_tasks_count_their_cpu_time_not_their_waits() -> None:
+    stats = StatsRecorder()
+
+    def spin(seconds: float) -> int:
+        end, n = time.perf_counter() + seconds, 0
+        while time.perf_counter() < end:
+            n += 1
+        return n
+
+    assert stats.cpu_timed(spin, 0.05) > 0
+    spun = stats.take()
+    assert spun is not None and spun["background_cpu_ns"] >= 10_000_000  # most of 50 ms
+    stats.cpu_timed(time.sleep, 0.05)
+    slept = stats.take()
+    assert slept is not None and slept["background_cpu_ns"] < 10_000_000  # a wait, no CPU
+    assert summarize(spun)["background_cpu_ms"] == round(spun["background_cpu_ns"] / 1e6, 3)
+    with pytest.raises(ZeroDivisionError):
+        stats.cpu_timed(lambda: 1 / 0)
+    failed = stats.take()
+    assert failed is not None and failed["background_cpu_ns"] > 0  # counted when it raises

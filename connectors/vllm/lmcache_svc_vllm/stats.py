@@ -9,7 +9,11 @@ floats, so the payload serializes across vLLM's processes.
 from __future__ import annotations
 
 import threading
-from typing import Any
+from collections.abc import Callable
+from time import thread_time_ns
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 COUNTERS = (
     "lookups",  # scheduler lookups sent to the server
@@ -25,8 +29,9 @@ COUNTERS = (
     "save_skipped_chunks",  # already stored, no room, or the server was unavailable
 )
 TIMINGS = ("lookup_seconds", "load_seconds", "save_seconds")
-# Wall time inside the connector's hooks (``hooks.py``), per half, and the calls timed.
-HOOK_COUNTERS = ("scheduler_hook_ns", "worker_hook_ns", "hook_calls")
+# Wall time inside the connector's hooks (``hooks.py``), per half, and the calls timed;
+# CPU time of the plugin's own threads (lookups, reservations, commits, async loads).
+HOOK_COUNTERS = ("scheduler_hook_ns", "worker_hook_ns", "hook_calls", "background_cpu_ns")
 
 
 class StatsRecorder:
@@ -46,6 +51,14 @@ class StatsRecorder:
         with self._lock:
             self._data[f"{half}_hook_ns"] += ns
             self._data["hook_calls"] += calls
+
+    def cpu_timed(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:
+        """Run ``fn`` on this (plugin) thread; its CPU time counts as ``background_cpu_ns``."""
+        start = thread_time_ns()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            self.add(background_cpu_ns=thread_time_ns() - start)
 
     def time(self, name: str, seconds: float) -> None:
         with self._lock:
@@ -106,4 +119,6 @@ def summarize(data: dict[str, Any]) -> dict[str, int | float]:
             out[f"{half}_hook_ms"] = round(data[f"{half}_hook_ns"] / 1e6, 3)
     if data.get("hook_calls"):
         out["hook_calls"] = data["hook_calls"]
+    if data.get("background_cpu_ns"):
+        out["background_cpu_ms"] = round(data["background_cpu_ns"] / 1e6, 3)
     return out
