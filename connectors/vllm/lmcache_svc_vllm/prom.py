@@ -39,6 +39,9 @@ _HOOK_DOCS = {  # counter name -> (stats key, scale, documentation)
         "worker_hook_ns", 1e-9, "Wall time inside the plugin's worker-side hooks.",
     ),
     "hook_calls": ("hook_calls", 1, "Connector hook calls timed."),
+    "background_cpu_seconds": (
+        "background_cpu_ns", 1e-9, "CPU time of the plugin's own threads.",
+    ),
 }  # fmt: skip
 _HISTOGRAM_DOCS = {
     "lookup_seconds": "Scheduler-side lookup latency.",
