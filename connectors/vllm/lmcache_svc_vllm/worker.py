@@ -31,6 +31,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
 from lmcache_svc.keys import Namespace
+from lmcache_svc_vllm.cores import off_compute_cores
 from lmcache_svc_vllm.layout import KVPages, UnsupportedLayout, layer_sort_key
 from lmcache_svc_vllm.link import Reservation, ServerLink
 from lmcache_svc_vllm.metadata import LoadPlan, SavePlan, StepPlan
@@ -71,8 +72,13 @@ class WorkerSide:
         self._step_plan: StepPlan | None = None
         self._step_saves: list[ChunkSave] | None = None
         self._saved_layers: set[int] = set()
-        self._io = ThreadPoolExecutor(1, thread_name_prefix="lmcache-svc-io")
-        self._loader = ThreadPoolExecutor(1, thread_name_prefix="lmcache-svc-load")
+        # Off the cores vLLM bound the forward pass to (CPU backend; cores.py).
+        self._io = ThreadPoolExecutor(
+            1, thread_name_prefix="lmcache-svc-io", initializer=off_compute_cores
+        )
+        self._loader = ThreadPoolExecutor(
+            1, thread_name_prefix="lmcache-svc-load", initializer=off_compute_cores
+        )
         self._reservation: Future[Reservation | None] | None = None
         self._lock = threading.Lock()
         self._finished_loads: set[str] = set()
