@@ -3,12 +3,12 @@
 vLLM calls every ``KVConnectorBase_V1`` hook synchronously, on the thread that runs the
 scheduler or the forward pass, so the time inside them is the plugin's share of the
 engine's critical path (an upper bound: the hooks also wait for the plugin's own threads).
-It does not cover the plugin's background threads (lookups, reservations, commits) or the
-server competing for the cores and the GIL, nor vLLM's own connector plumbing around the
-hooks.
+It does not cover the plugin's background threads (lookups, reservations, commits: their
+CPU time is counted apart, ``StatsRecorder.cpu_timed``), the server competing for the
+cores and the GIL, or vLLM's own connector plumbing around the hooks.
 
 ``timed`` wraps a hook: two ``perf_counter_ns`` calls and two int adds on a slotted object,
-no allocation of its own (about 0.2 us per call, ``tests/vllm/test_hooks.py``). The
+no allocation of its own (0.2-0.7 us per call, ``tests/vllm/test_hooks.py``). The
 connector moves the totals into its stats (``HOOK_COUNTERS`` in ``stats.py``).
 """
 
