@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import random
 import statistics
 from collections.abc import Sequence
 
@@ -29,3 +30,19 @@ def gbps(num_bytes: float, seconds: float) -> float:
 
 def ms(seconds: float) -> float:
     return seconds * 1e3
+
+
+def median_interval(
+    values: Sequence[float], *, level: float = 0.95, resamples: int = 2000, seed: int = 0
+) -> tuple[float, float]:
+    """Percentile-bootstrap interval of the median (``level``: its coverage): the
+    ``(1 - level) / 2`` and ``(1 + level) / 2`` nearest-rank percentiles of the medians of
+    ``resamples`` resamples (with replacement, seeded: the same values give the same
+    interval). One value gives (value, value)."""
+    if not values:
+        raise ValueError("interval of no values")
+    rng = random.Random(seed)
+    n = len(values)
+    medians = [statistics.median(rng.choices(values, k=n)) for _ in range(resamples)]
+    tail = (1 - level) / 2 * 100
+    return percentile(medians, tail), percentile(medians, 100 - tail)

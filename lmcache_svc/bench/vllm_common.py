@@ -83,11 +83,17 @@ def start_engine(
 
 
 def plugin_stats(engine: EngineProc) -> dict[str, float]:
-    """The last "KV Transfer metrics" line vLLM logged for the plugin, as numbers."""
+    """The plugin's "KV Transfer metrics" line that vLLM logs now (its stats since the last
+    call), as numbers; empty if vLLM logged none (no plugin activity since)."""
     time.sleep(0.3)  # the worker's counters reach the scheduler with the next step
+    with engine.log_path.open("rb") as log:
+        offset = log.seek(0, 2)
     engine.request(op="log_stats")
+    with engine.log_path.open("rb") as log:
+        log.seek(offset)
+        text = log.read().decode(errors="replace")
     last = ""
-    for line in engine.log_path.read_text(errors="replace").splitlines():
+    for line in text.splitlines():
         match = _KV_LINE.search(line)
         if match:
             last = match.group(1)

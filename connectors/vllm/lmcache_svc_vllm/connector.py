@@ -5,6 +5,9 @@ vLLM creates one instance per role: SCHEDULER (engine core) delegates to
 through ``LMCacheSvcMetadata``. Nothing here raises into vLLM once the engine is up: an
 unsupported engine set-up disables the plugin with one error log, and server faults are
 misses (``link.py``).
+
+Every hook vLLM calls is ``timed`` (``hooks.py``): the wall time inside them reaches the
+stats as ``scheduler_hook_ns`` / ``worker_hook_ns``.
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -25,6 +28,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from lmcache_svc_vllm.config import parse_config
 from lmcache_svc_vllm.engine import EngineKV, UnsupportedEngine, describe_engine
+from lmcache_svc_vllm.hooks import HookClock, flush, timed
 from lmcache_svc_vllm.link import ServerLink
 from lmcache_svc_vllm.metadata import StepPlan
 from lmcache_svc_vllm.prom import LMCacheSvcPromMetrics, LMCacheSvcStats
@@ -64,6 +68,10 @@ class LMCacheSvcConnector(KVConnectorBase_V1):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         self._config = parse_config(self._kv_transfer_config.kv_connector_extra_config)
         self._stats = StatsRecorder()
+        self.hook_clock = HookClock()
+        self._half: Literal["scheduler", "worker"] = (
+            "scheduler" if role == KVConnectorRole.SCHEDULER else "worker"
+        )
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         try:
@@ -139,38 +147,47 @@ class LMCacheSvcConnector(KVConnectorBase_V1):
         if self._worker is not None:
             self._worker.register_kv_caches(kv_caches)
 
+    @timed
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)
         if self._worker is not None:
             self._worker.bind(self._plan())
 
+    @timed
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         if self._worker is not None:
             self._worker.start_load(self._plan())
 
+    @timed
     def wait_for_layer_load(self, layer_name: str) -> None:
         if self._worker is not None:
             self._worker.wait_for_layer(layer_name)
 
+    @timed
     def save_kv_layer(
         self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
     ) -> None:
         if self._worker is not None and self.has_connector_metadata():
             self._worker.save_layer(layer_name)
 
+    @timed
     def wait_for_save(self) -> None:
         if self._worker is not None and self.has_connector_metadata():
             self._worker.wait_for_save(self._plan())
 
+    @timed
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         if self._worker is None:
             return None, None
         return None, self._worker.take_finished() or None
 
+    @timed
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.take_load_errors() if self._worker is not None else set()
 
+    @timed
     def get_kv_connector_stats(self) -> LMCacheSvcStats | None:
+        flush(self.hook_clock, self._stats, self._half)  # this call's time: next interval
         data = self._stats.take()
         return None if data is None else LMCacheSvcStats(data=data)
 
@@ -189,6 +206,7 @@ class LMCacheSvcConnector(KVConnectorBase_V1):
     # Scheduler-side methods
     # ==============================
 
+    @timed
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
@@ -196,6 +214,7 @@ class LMCacheSvcConnector(KVConnectorBase_V1):
             return 0, False
         return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
 
+    @timed
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
@@ -203,6 +222,7 @@ class LMCacheSvcConnector(KVConnectorBase_V1):
             block_ids = blocks.get_block_ids()[0]
             self._scheduler.update_state_after_alloc(request, block_ids, num_external_tokens)
 
+    @timed
     def get_external_cache_hit_sources(
         self, request: Request, num_external_tokens: int
     ) -> dict[CacheHitSource, int]:
@@ -215,15 +235,18 @@ class LMCacheSvcConnector(KVConnectorBase_V1):
             sources[source] = sources.get(source, 0) + n
         return sources
 
+    @timed
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         if self._scheduler is None:
             return LMCacheSvcMetadata()
         return LMCacheSvcMetadata(self._scheduler.build_step_plan(scheduler_output))
 
+    @timed
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         if self._scheduler is not None and connector_output.invalid_block_ids:
             self._scheduler.on_invalid_blocks(set(connector_output.invalid_block_ids))
 
+    @timed
     def request_finished(
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:

@@ -31,6 +31,18 @@ _COUNTER_DOCS = {
     "save_bytes": "Bytes saved from KV blocks to lmcache-svc.",
     "save_skipped_chunks": "Chunks not saved: already stored, no room, or server unavailable.",
 }
+_HOOK_DOCS = {  # counter name -> (stats key, scale, documentation)
+    "scheduler_hook_seconds": (
+        "scheduler_hook_ns", 1e-9, "Wall time inside the plugin's scheduler-side hooks.",
+    ),
+    "worker_hook_seconds": (
+        "worker_hook_ns", 1e-9, "Wall time inside the plugin's worker-side hooks.",
+    ),
+    "hook_calls": ("hook_calls", 1, "Connector hook calls timed."),
+    "background_cpu_seconds": (
+        "background_cpu_ns", 1e-9, "CPU time of the plugin's own threads.",
+    ),
+}  # fmt: skip
 _HISTOGRAM_DOCS = {
     "lookup_seconds": "Scheduler-side lookup latency.",
     "load_seconds": "Time to lease and copy one request's chunks into KV blocks.",
@@ -76,6 +88,18 @@ class LMCacheSvcPromMetrics(KVConnectorPromMetrics):
             )
             for name, doc in _COUNTER_DOCS.items()
         }
+        self._hook_counters = {
+            name: (
+                key,
+                scale,
+                self._per_engine(
+                    self._counter_cls(
+                        name=f"vllm:lmcache_svc_{name}", documentation=doc, labelnames=labelnames
+                    )
+                ),
+            )
+            for name, (key, scale, doc) in _HOOK_DOCS.items()
+        }
         self._histograms = {
             name: self._per_engine(
                 self._histogram_cls(
@@ -96,6 +120,10 @@ class LMCacheSvcPromMetrics(KVConnectorPromMetrics):
             value = transfer_stats_data.get(name, 0)
             if value:
                 per_engine[engine_idx].inc(value)
+        for key, scale, per_engine in self._hook_counters.values():
+            value = transfer_stats_data.get(key, 0)
+            if value:
+                per_engine[engine_idx].inc(value * scale)
         for name, per_engine in self._histograms.items():
             for seconds in transfer_stats_data.get(name, []):
                 per_engine[engine_idx].observe(seconds)

@@ -121,7 +121,7 @@ class SchedulerSide:
             return None
         state = RequestState(len(token_ids), started=time.monotonic())
         if len(token_ids) >= self.chunk_size:
-            state.pending = self._lookups.submit(self._lookup, token_ids)
+            state.pending = self._lookups.submit(self.stats.cpu_timed, self._lookup, token_ids)
         return state
 
     def _lookup(self, token_ids: list[int]) -> LookupAnswer:

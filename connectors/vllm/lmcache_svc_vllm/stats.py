@@ -9,7 +9,11 @@ floats, so the payload serializes across vLLM's processes.
 from __future__ import annotations
 
 import threading
-from typing import Any
+from collections.abc import Callable
+from time import thread_time_ns
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 COUNTERS = (
     "lookups",  # scheduler lookups sent to the server
@@ -25,6 +29,9 @@ COUNTERS = (
     "save_skipped_chunks",  # already stored, no room, or the server was unavailable
 )
 TIMINGS = ("lookup_seconds", "load_seconds", "save_seconds")
+# Wall time inside the connector's hooks (``hooks.py``), per half, and the calls timed;
+# CPU time of the plugin's own threads (lookups, reservations, commits, async loads).
+HOOK_COUNTERS = ("scheduler_hook_ns", "worker_hook_ns", "hook_calls", "background_cpu_ns")
 
 
 class StatsRecorder:
@@ -39,9 +46,27 @@ class StatsRecorder:
             for name, value in counts.items():
                 self._data[name] += value
 
+    def add_hook_time(self, half: str, ns: int, calls: int) -> None:
+        """``half``: "scheduler" or "worker"."""
+        with self._lock:
+            self._data[f"{half}_hook_ns"] += ns
+            self._data["hook_calls"] += calls
+
+    def cpu_timed(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:
+        """Run ``fn`` on this (plugin) thread; its CPU time counts as ``background_cpu_ns``."""
+        start = thread_time_ns()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            self.add(background_cpu_ns=thread_time_ns() - start)
+
     def time(self, name: str, seconds: float) -> None:
         with self._lock:
             self._data[name].append(seconds)
+
+    def has_data(self) -> bool:
+        with self._lock:
+            return not is_empty(self._data)
 
     def take(self) -> dict[str, Any] | None:
         """The data since the last take, or None if nothing happened."""
@@ -51,17 +76,17 @@ class StatsRecorder:
 
 
 def empty() -> dict[str, Any]:
-    data: dict[str, Any] = {name: 0 for name in COUNTERS}
+    data: dict[str, Any] = {name: 0 for name in COUNTERS + HOOK_COUNTERS}
     data.update({name: [] for name in TIMINGS})
     return data
 
 
 def is_empty(data: dict[str, Any]) -> bool:
-    return not any(data.get(n) for n in COUNTERS) and not any(data.get(n) for n in TIMINGS)
+    return not any(data.get(n) for n in COUNTERS + HOOK_COUNTERS + TIMINGS)
 
 
 def merge(into: dict[str, Any], other: dict[str, Any]) -> dict[str, Any]:
-    for name in COUNTERS:
+    for name in COUNTERS + HOOK_COUNTERS:
         into[name] = into.get(name, 0) + other.get(name, 0)
     for name in TIMINGS:
         into[name] = list(into.get(name, [])) + list(other.get(name, []))
@@ -78,7 +103,8 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def summarize(data: dict[str, Any]) -> dict[str, int | float]:
-    """One log line's worth: counts, lookup latency percentiles and copy throughput."""
+    """One log line's worth: counts, lookup latency percentiles, copy throughput and the
+    time spent inside the hooks."""
     out: dict[str, int | float] = {n: data.get(n, 0) for n in COUNTERS if data.get(n)}
     lookups = data.get("lookup_seconds", [])
     if lookups:
@@ -88,4 +114,11 @@ def summarize(data: dict[str, Any]) -> dict[str, int | float]:
         seconds = sum(data.get(f"{op}_seconds", []))
         if seconds > 0 and data.get(f"{op}_bytes"):
             out[f"{op}_gbps"] = round(data[f"{op}_bytes"] / seconds / 1e9, 3)
+    for half in ("scheduler", "worker"):
+        if data.get(f"{half}_hook_ns"):
+            out[f"{half}_hook_ms"] = round(data[f"{half}_hook_ns"] / 1e6, 3)
+    if data.get("hook_calls"):
+        out["hook_calls"] = data["hook_calls"]
+    if data.get("background_cpu_ns"):
+        out["background_cpu_ms"] = round(data["background_cpu_ns"] / 1e6, 3)
     return out

@@ -31,6 +31,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
 from lmcache_svc.keys import Namespace
+from lmcache_svc_vllm.cores import off_compute_cores
 from lmcache_svc_vllm.layout import KVPages, UnsupportedLayout, layer_sort_key
 from lmcache_svc_vllm.link import Reservation, ServerLink
 from lmcache_svc_vllm.metadata import LoadPlan, SavePlan, StepPlan
@@ -71,8 +72,13 @@ class WorkerSide:
         self._step_plan: StepPlan | None = None
         self._step_saves: list[ChunkSave] | None = None
         self._saved_layers: set[int] = set()
-        self._io = ThreadPoolExecutor(1, thread_name_prefix="lmcache-svc-io")
-        self._loader = ThreadPoolExecutor(1, thread_name_prefix="lmcache-svc-load")
+        # Off the cores vLLM bound the forward pass to (CPU backend; cores.py).
+        self._io = ThreadPoolExecutor(
+            1, thread_name_prefix="lmcache-svc-io", initializer=off_compute_cores
+        )
+        self._loader = ThreadPoolExecutor(
+            1, thread_name_prefix="lmcache-svc-load", initializer=off_compute_cores
+        )
         self._reservation: Future[Reservation | None] | None = None
         self._lock = threading.Lock()
         self._finished_loads: set[str] = set()
@@ -126,12 +132,14 @@ class WorkerSide:
             self._reservation = None
             return
         chunk_bytes = self.namespace.chunk_bytes
-        self._reservation = self._io.submit(self.link.reserve, hashes, chunk_bytes)
+        self._reservation = self._io.submit(
+            self.stats.cpu_timed, self.link.reserve, hashes, chunk_bytes
+        )
 
     def start_load(self, plan: StepPlan) -> None:
         for load in plan.loads:
             if load.is_async:
-                self._loader.submit(self._run_async_load, load)
+                self._loader.submit(self.stats.cpu_timed, self._run_async_load, load)
             else:
                 self._record_failures(self._load(load, step=True))
 
@@ -168,7 +176,7 @@ class WorkerSide:
         start = time.perf_counter()
         ok = self._copy_out(reservation)
         self.stats.time("save_seconds", time.perf_counter() - start)
-        self._io.submit(self._publish, reservation, num_planned, ok)
+        self._io.submit(self.stats.cpu_timed, self._publish, reservation, num_planned, ok)
 
     def _publish(self, reservation: Reservation, num_planned: int, ok: bool) -> None:
         """On the I/O thread: commit the copied chunks (or give the slots back)."""
@@ -194,7 +202,7 @@ class WorkerSide:
             return
         reservation = future.result()
         if reservation is not None:
-            self._io.submit(self.link.publish, reservation, abort=True)
+            self._io.submit(self.stats.cpu_timed, self.link.publish, reservation, abort=True)
 
     def take_finished(self) -> set[str]:
         with self._lock:
@@ -255,7 +263,7 @@ class WorkerSide:
         except Exception:  # never into vLLM: the blocks are recomputed instead
             logger.exception("lmcache-svc: copying loaded chunks failed")
         finally:  # once the bytes are copied, off the step
-            self._io.submit(self._release_after, events, acquired)
+            self._io.submit(self.stats.cpu_timed, self._release_after, events, acquired)
         num_chunks = min(len(acquired.buffers), len(plan.hashes_for(self.tp_rank)))
         self.stats.time("load_seconds", time.perf_counter() - start)
         self.stats.add(
