@@ -45,6 +45,8 @@ def test_file_then_env_then_flags(tmp_path: Path) -> None:
         ({"LMCACHE_SVC_CACHE__LOW_WATERMARK": "0.99"}, "low_watermark"),
         ({"LMCACHE_SVC_CACHE__RESERVATION_TTL_S": "600"}, "max_reservation_ttl_s"),
         ({"LMCACHE_SVC_CACHE__MAX_RESERVED_FRACTION": "0"}, "max_reserved_fraction"),
+        ({"LMCACHE_SVC_CACHE__CHECKSUM_QUIET_S": "-1"}, "checksum_quiet_s"),
+        ({"LMCACHE_SVC_CACHE__CHECKSUM_MAX_DELAY_S": "soon"}, "checksum_max_delay_s"),
         ({"LMCACHE_SVC_HOST": "0.0.0.0"}, "auth_token"),
         ({"LMCACHE_SVC_AUTH_TOKEN": "short"}, "16 characters"),
         (
