@@ -218,6 +218,10 @@ class MemoryConfig(_Section):
     path: Path | None = None
     """Directory where memories persist across restarts. Default: <ssd.path>/memories when
     an SSD tier is configured, else none (memories are kept in RAM and lost on restart)."""
+    max_transfers: int = Field(8, ge=1, le=1024)
+    """Memory reads and uploads in flight at once (REST and gRPC together); one more is
+    refused with too_busy (429 / RESOURCE_EXHAUSTED). A read holds one piece (1-4 MiB) at a
+    time, an upload its body (up to max_bytes)."""
 
     def resolved_path(self, ssd_path: Path | None) -> Path | None:
         if self.path is not None:

@@ -123,6 +123,19 @@ class Corrupted(TierError):
     kind = "corrupted"
 
 
+class MemoryCorrupted(Corrupted):
+    """A stored memory whose bytes differ from the checksum recorded when it was stored: it
+    is not served, and its file is moved aside (quarantined)."""
+
+    kind = "memory_corrupted"
+
+
+class TooBusy(LMCacheSvcError):
+    """The server already runs as many transfers of this kind as it allows; retry later."""
+
+    kind = "too_busy"
+
+
 class ServerUnavailable(LMCacheSvcError):
     """Client side: the server could not be reached or did not answer in time."""
 

@@ -96,6 +96,7 @@ def build_memory_store(config: Config) -> MemoryStore:
         capacity_bytes=int(m.capacity),
         max_bytes=int(m.max_bytes),
         path=m.resolved_path(config.ssd.path),
+        max_transfers=m.max_transfers,
     )
 
 
