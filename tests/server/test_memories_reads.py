@@ -4,6 +4,7 @@ time, capped in number, and never run on the event loop."""
 from __future__ import annotations
 
 import os
+import struct
 import threading
 import time
 import tracemalloc
@@ -224,3 +225,19 @@ def test_grpc_list_memories_runs_off_the_event_loop(
     finally:
         release.set()
         lister.join(30)
+
+
+@pytest.mark.parametrize(
+    ("header", "fragment"),
+    [
+        (b'{"t": [' + b"9" * 5000 + b"]}", "integer of 5000 digits"),
+        (b'{"t": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", "nested too deeply"),
+    ],
+)
+def test_grpc_hostile_headers_are_invalid_argument(
+    grpc_memories: tuple[InProcessServer, CacheClient], header: bytes, fragment: str
+) -> None:
+    _, client = grpc_memories
+    with pytest.raises(errors.BadMemory, match=fragment):
+        client.put_memory(struct.pack("<Q", len(header)) + header)
+    assert client.list_memories() == []
