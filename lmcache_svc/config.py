@@ -176,6 +176,19 @@ class CacheConfig(_Section):
     reservations it has not committed or aborted yet included; over it, PrepareStore fails
     with reservation_limit (gRPC RESOURCE_EXHAUSTED). An owner holding nothing may always
     reserve one chunk."""
+    max_tenant_reserved_fraction: float = Field(0.75, gt=0, le=1)
+    """Most of the arena one tenant may hold reserved, all its sessions and inline uploads
+    together (quarantined reservations included until their owner commits, aborts or its
+    session ends); over it, reservation_limit (1: no share of its own). A tenant holding
+    nothing may always reserve one chunk."""
+    max_tenant_leases: int = Field(4096, ge=2)
+    """Most load leases one tenant holds at once; its session-less leases (which no session
+    end gives back) at most half of them. Over it, PrepareLoad fails with lease_limit
+    (RESOURCE_EXHAUSTED)."""
+    max_tenant_leased_chunks: int = Field(131072, ge=2)
+    """Most chunks one tenant's leases pin at once, a chunk in two leases counted twice
+    (about 100 bytes of bookkeeping each: 13 MiB); session-less leases at most half. A load
+    counts the chunks it asks for while it runs, then those it pinned."""
     max_chunks_per_request: int = Field(8192, ge=1)
     """Most chunk hashes accepted in one request."""
     max_namespaces: int = Field(4096, ge=1)

@@ -88,9 +88,16 @@ class TooManyNamespaces(LMCacheSvcError):
 
 
 class ReservationLimit(NoSpace):
-    """One owner (session or upload) already holds its share of the first tier reserved."""
+    """One owner (session or upload), or one tenant, already holds its share of the first
+    tier reserved."""
 
     kind = "reservation_limit"
+
+
+class LeaseLimit(NoSpace):
+    """One tenant already holds its share of load leases (count or leased chunks)."""
+
+    kind = "lease_limit"
 
 
 class Unauthenticated(LMCacheSvcError):

@@ -52,16 +52,22 @@ class FirstTierManager:
         self._sums = SlotChecksums(tier.segment().size) if checksums else None
 
     def allocate(
-        self, key: ChunkKey, nbytes: int, owner: str | None, deadline: float
+        self,
+        key: ChunkKey,
+        nbytes: int,
+        owner: str | None,
+        deadline: float,
+        tenant: str | None = None,
     ) -> Slot | None:
-        """A not-ready entry for ``key`` with a fresh slot, evicting to make room."""
+        """A not-ready entry for ``key`` with a fresh slot (counted against ``tenant``, when
+        given), evicting to make room."""
         while True:
             with self._lock:
                 if self._index.busy(key):
                     return None
                 slot = self._tier.allocate(key, nbytes)
                 if slot is not None:
-                    self._index.reserve(key, slot, owner, deadline)
+                    self._index.reserve(key, slot, owner, deadline, tenant)
                     return slot
             if not self.evict(nbytes):
                 return None
