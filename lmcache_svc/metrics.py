@@ -118,6 +118,13 @@ class Metrics:
             "chunk_misses too)",
             registry=r,
         )
+        self.refused_reports = Counter(
+            "lmcache_svc_lookup_reports_refused",
+            "ReportLookups refused: counts that cannot be true (implausible), over the "
+            "tenant's budget (over_budget), or no lookup index to answer from (no_index)",
+            ["reason"],
+            registry=r,
+        )
         self.evictions = Counter(
             "lmcache_svc_evictions",
             "Chunks evicted from a tier (demoted or dropped)",

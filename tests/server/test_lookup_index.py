@@ -32,10 +32,14 @@ ACME_NS = Namespace(model="m", layout=LAYOUT, chunk_size=256, tenant="acme")
 GLOBEX_NS = Namespace(model="m", layout=LAYOUT, chunk_size=256, tenant="globex")
 CHUNK = ACME_NS.chunk_bytes
 ACME, GLOBEX, ADMIN = "acme-token-00000001", "globex-token-000001", "ops-token-000000001"
+ACME_READER = "acme-reader-0000001"
 TOKENS = f"""
 tokens:
   - tenant: acme
     token: {ACME}
+  - tenant: acme
+    token: {ACME_READER}
+    read_only: true
   - tenant: globex
     token: {GLOBEX}
   - admin: true
