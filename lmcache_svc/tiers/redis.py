@@ -138,8 +138,8 @@ class RedisTier(Tier):
         Redis for memory (``-OOM``: told to ``on_refused``), ``Failed`` any other refusal;
         only ``True`` items stay counted. A batch cut off as a whole (connection lost,
         timeout) is ``Failed`` for every item and none is counted, though Redis may hold
-        some of them: its
-        ``maxmemory`` and TTL, and the next start-up scan, account for those."""
+        some of them: its ``maxmemory`` and TTL, and the next start-up scan, account for
+        those."""
         jobs = [self._job(key, byte_view(data, "data")) for key, data in items]
         results: list[ItemResult] = [False] * len(jobs)
         reserved: dict[int, int | None] = {}
