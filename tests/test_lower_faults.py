@@ -12,7 +12,6 @@ import signal
 import threading
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 from lmcache_svc.arena import Arena
 from lmcache_svc.bench.redis_procs import RedisProc
@@ -90,64 +89,60 @@ def test_writes_redis_refuses_for_memory_are_counted(
     lower.close()
 
 
-def test_a_promotion_a_restarted_redis_cannot_serve_evicts_nothing(
-    redis_factory: Callable[..., RedisProc],
-) -> None:
-    ns = make_namespace(chunk_size=256)
-    chunk_bytes = ns.chunk_bytes
-    redis = redis_factory()
-    arena = Arena.create(8 * chunk_bytes, slab_bytes=chunk_bytes, prefault="off")
-    tier = RedisTier(redis.url, 1 << 30, key_prefix="promote:", timeout_s=REDIS_TIMEOUT_S)
+NS = make_namespace(chunk_size=256)
+CHUNK_BYTES = NS.chunk_bytes
+HASHES = [bytes([i]) * 32 for i in range(1, 17)]
+
+
+def cache_over_redis(redis: RedisProc, prefix: str) -> TieredCache:
+    """An 8-chunk arena over a Redis tier, 16 chunks stored: the first 8 demoted to Redis."""
+    arena = Arena.create(8 * CHUNK_BYTES, slab_bytes=CHUNK_BYTES, prefault="off")
+    tier = RedisTier(redis.url, 1 << 30, key_prefix=prefix, timeout_s=REDIS_TIMEOUT_S)
     cache = TieredCache(
         CpuTier(arena),
         [(tier, TierPolicy(accept_demotions=True, write_through=False))],
         settings=CacheSettings(high_watermark=1.0, low_watermark=0.5),
     )
+    cache.register_namespace(NS)
+    for i, h in enumerate(HASHES):
+        assert cache.put(NS.namespace_id, h, make_chunk(i, CHUNK_BYTES)) == "reserved"
+    cache.flush()
+    return cache
+
+
+def test_a_promotion_a_restarted_redis_cannot_serve_evicts_nothing(
+    redis_factory: Callable[..., RedisProc],
+) -> None:
+    redis = redis_factory()
+    cache = cache_over_redis(redis, "promote:")
     try:
-        cache.register_namespace(ns)
-        hashes = [bytes([i]) * 32 for i in range(1, 17)]
-        for i, h in enumerate(hashes):  # the first 8 are evicted (demoted to Redis)
-            assert cache.put(ns.namespace_id, h, make_chunk(i, chunk_bytes)) == "reserved"
-        cache.flush()
-        arena_held = hashes[8:]
-        assert cache.first_tier_holds(ns.namespace_id, arena_held)
+        arena_held = HASHES[8:]
+        assert cache.first_tier_holds(NS.namespace_id, arena_held)
         evictions = cache.metrics.evictions.labels(tier="cpu")._value.get()
 
         redis.stop()  # Redis restarts empty on the same port; the tier still lists 8 chunks
         redis_factory(port=redis.port)
-        lease = cache.prepare_load(ns.namespace_id, hashes[:8])
+        lease = cache.prepare_load(NS.namespace_id, HASHES[:8])
         assert lease.lease_id is None  # nothing could be read
         assert cache.metrics.evictions.labels(tier="cpu")._value.get() == evictions
-        assert cache.first_tier_holds(ns.namespace_id, arena_held)  # nothing evicted for it
-        got = cache.get(ns.namespace_id, arena_held[0])
-        assert got is not None and got[0] == make_chunk(8, chunk_bytes)
+        assert cache.first_tier_holds(NS.namespace_id, arena_held)  # nothing evicted for it
+        got = cache.get(NS.namespace_id, arena_held[0])
+        assert got is not None and got[0] == make_chunk(8, CHUNK_BYTES)
+        resyncs = cache.metrics.resyncs.labels(tier="redis")
+        wait_for("the index rebuild of the restarted Redis", lambda: resyncs._value.get() >= 1)
     finally:
         cache.close()
 
 
 def test_promotion_into_a_full_arena_still_works_once_the_bytes_are_read(
-    redis_factory: Callable[..., RedisProc], tmp_path: Path
+    redis_factory: Callable[..., RedisProc],
 ) -> None:
-    ns = make_namespace(chunk_size=256)
-    chunk_bytes = ns.chunk_bytes
-    redis = redis_factory()
-    arena = Arena.create(8 * chunk_bytes, slab_bytes=chunk_bytes, prefault="off")
-    tier = RedisTier(redis.url, 1 << 30, key_prefix="promote-ok:", timeout_s=REDIS_TIMEOUT_S)
-    cache = TieredCache(
-        CpuTier(arena),
-        [(tier, TierPolicy(accept_demotions=True, write_through=False))],
-        settings=CacheSettings(high_watermark=1.0, low_watermark=0.5),
-    )
+    cache = cache_over_redis(redis_factory(), "promote-ok:")
     try:
-        cache.register_namespace(ns)
-        hashes = [bytes([i]) * 32 for i in range(1, 17)]
-        for i, h in enumerate(hashes):
-            cache.put(ns.namespace_id, h, make_chunk(i, chunk_bytes))
-        cache.flush()
-        lease = cache.prepare_load(ns.namespace_id, hashes[:4])  # arena full: staged, evicting
+        lease = cache.prepare_load(NS.namespace_id, HASHES[:4])  # arena full: staged, evicting
         assert lease.lease_id is not None and len(lease.slots) == 4
         got = [bytes(cache.view(s)) for s in lease.slots]
-        assert got == [make_chunk(i, chunk_bytes) for i in range(4)]
+        assert got == [make_chunk(i, CHUNK_BYTES) for i in range(4)]
         cache.release_load(lease.lease_id)
     finally:
         cache.close()

@@ -21,6 +21,7 @@ from lmcache_svc.server import tokens
 from lmcache_svc.server.tokens import Authenticator
 from tests.helpers import make_namespace
 from tests.server.test_tenants import ACME, ADMIN, BOB, TOKENS, _rewrite
+from tests.server.test_tenants import tokens_file as tokens_file  # the fixture
 
 
 def wait_until(condition: Callable[[], bool], what: str, timeout_s: float = 30) -> None:
@@ -28,13 +29,6 @@ def wait_until(condition: Callable[[], bool], what: str, timeout_s: float = 30) 
     while not condition():
         assert time.monotonic() < deadline, what
         time.sleep(0.01)
-
-
-@pytest.fixture
-def tokens_file(tmp_path: Path) -> Path:
-    path = tmp_path / "tokens.yaml"
-    path.write_text(TOKENS)
-    return path
 
 
 def _non_utf8(path: Path) -> None:
