@@ -12,11 +12,11 @@ changed at rest is refused with ``MemoryCorrupted``, its file quarantined and co
 transports register with ``transfer``) are in flight; one more is ``TooBusy``.
 
 Thread-safe. One lock guards the index and the byte count, and is never held across disk
-I/O: a put or delete first claims its (tenant, id) (a second write of the same id meanwhile
-is a ``Conflict``), writes or removes the file without the lock (fsync included), then
-publishes the result under it, so a list or a read never waits behind a write's fsync. A
-memory being written is not listed until it is stored; its bytes count against capacity
-from the start.
+I/O: a put or delete first claims its (tenant, id) (a put or delete of the same id meanwhile
+waits its turn, in its own thread), writes or removes the file without the lock (fsync
+included), then publishes the result under it, so a list or a read never waits behind a
+write's fsync. A memory being written is not listed until it is stored; its bytes count
+against capacity from the start.
 """
 
 from __future__ import annotations
@@ -75,6 +75,7 @@ class MemoryStore:
         self._used = 0
         self._num_corrupted = 0
         self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)
         self._load()
 
     def _load(self) -> None:
@@ -112,6 +113,7 @@ class MemoryStore:
         checksum = blob_checksum(blob)
         mid = info.memory_id
         with self._lock:
+            self._wait_idle(tenant, mid)
             stored = self._index.get(tenant, {}).get(mid)
             if stored is not None:
                 if (stored.info.size_bytes, stored.checksum) == (size, checksum):
@@ -125,7 +127,7 @@ class MemoryStore:
                     f"no room for a memory of {size} bytes: {self._used} of "
                     f"{self.capacity_bytes} bytes (memory.capacity) are used; delete memories"
                 )
-            self._claim(tenant, mid)
+            self._busy.add((tenant, mid))
             self._used += size
         stored_now = False
         try:
@@ -133,11 +135,11 @@ class MemoryStore:
             stored_now = True
         finally:
             with self._lock:
-                self._busy.discard((tenant, mid))
                 if stored_now:
                     self._index.setdefault(tenant, {})[mid] = _Entry(info, checksum)
                 else:
                     self._used -= size
+                self._release(tenant, mid)
         return info, True
 
     def delete(self, tenant: str, memory_id: str) -> bool:
@@ -145,27 +147,33 @@ class MemoryStore:
         _check_tenant(tenant)
         check_memory_id(memory_id)
         with self._lock:
+            self._wait_idle(tenant, memory_id)
             entry = self._index.get(tenant, {}).get(memory_id)
             if entry is None:
                 return False
-            self._claim(tenant, memory_id)
+            self._busy.add((tenant, memory_id))
+        removed = False
         try:
             self._blobs.remove(tenant, memory_id, entry.checksum)
+            removed = True
         finally:
             with self._lock:
-                self._busy.discard((tenant, memory_id))
-        with self._lock:
-            self._drop(tenant, entry)
+                if removed:
+                    self._drop(tenant, entry)
+                self._release(tenant, memory_id)
         return True
 
-    def _claim(self, tenant: str, memory_id: str) -> None:
-        """Mark the id as being written or deleted (lock held)."""
-        if (tenant, memory_id) in self._busy:
-            raise Conflict(
-                f"memory {memory_id} is being stored or deleted by another call; retry when "
-                "it is done"
-            )
-        self._busy.add((tenant, memory_id))
+    def _wait_idle(self, tenant: str, memory_id: str) -> None:
+        """Wait (lock held, released meanwhile) until no other call writes or deletes the
+        id: puts and deletes of one id take turns, as if the disk I/O were under the lock,
+        while lists and reads never wait for them."""
+        while (tenant, memory_id) in self._busy:
+            self._idle.wait()
+
+    def _release(self, tenant: str, memory_id: str) -> None:
+        """The id's write or delete is over (lock held)."""
+        self._busy.discard((tenant, memory_id))
+        self._idle.notify_all()
 
     def _drop(self, tenant: str, entry: _Entry) -> bool:
         """Remove ``entry`` from the index if it is still there (lock held)."""
@@ -251,7 +259,7 @@ class MemoryStore:
         finally:
             if not busy:
                 with self._lock:
-                    self._busy.discard((tenant, mid))
+                    self._release(tenant, mid)
         log.error("memory %s of tenant %r failed its checksum: %s", mid, tenant, where)
         return where
 

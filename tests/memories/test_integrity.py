@@ -8,6 +8,7 @@ import os
 import struct
 import threading
 import tracemalloc
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -162,6 +163,45 @@ def test_a_list_never_waits_behind_a_writes_fsync(
         release.set()
         writer.join(30)
     assert store.usage().num_memories == 2
+
+
+def test_puts_and_deletes_of_one_id_take_turns(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A second put (the same bytes) or a delete of an id being written waits for that write
+    instead of failing, as if the write's I/O were under the store's lock."""
+    store = dir_store(tmp_path / "memories")
+    real_fsync = os.fsync
+    gate: dict[str, threading.Event] = {}
+
+    def slow_fsync(fd: int) -> None:
+        if "release" in gate and not gate["release"].is_set():
+            gate["entered"].set()
+            assert gate["release"].wait(30)
+        real_fsync(fd)
+
+    monkeypatch.setattr(blobs.os, "fsync", slow_fsync)
+
+    def while_writing(blob: bytes, second: Callable[[], object]) -> list[object]:
+        gate.update(entered=threading.Event(), release=threading.Event())
+        results: list[object] = []
+        writer = threading.Thread(target=lambda: results.append(store.put("acme", blob)[1]))
+        writer.start()
+        assert gate["entered"].wait(30)
+        other = threading.Thread(target=lambda: results.append(second()))
+        other.start()
+        gate["release"].set()
+        writer.join(30)
+        other.join(30)
+        return results
+
+    again = make_memory(seed=3)
+    assert sorted(while_writing(again, lambda: store.put("acme", again)[1])) == [False, True]
+    gone = make_memory(seed=4)
+    assert while_writing(gone, lambda: store.delete("acme", memory_id_of(gone))) == [True, True]
+    assert store.get("acme", memory_id_of(gone)) is None
+    assert store.get("acme", memory_id_of(again)) == again
+    assert store.usage().used_bytes == len(again)
 
 
 @pytest.mark.parametrize("on_disk", [True, False])
