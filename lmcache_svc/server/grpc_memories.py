@@ -19,6 +19,7 @@ from collections.abc import AsyncIterator, Callable
 import grpc
 
 from lmcache_svc.errors import InvalidArgument, LMCacheSvcError, PayloadTooLarge
+from lmcache_svc.memories.format import PREFIX_BYTES, header_length
 from lmcache_svc.memories.integrity import MemoryRead
 from lmcache_svc.memories.store import MemoryStore
 from lmcache_svc.metrics import Metrics
@@ -49,8 +50,7 @@ class MemoryServicer(pb_grpc.MemoryServiceServicer):
         releases: list[Callable[[], None]] = []
         try:
             blob = await self._receive_blob(request_iterator, releases)
-            put = self._store.put
-            info, created = await asyncio.to_thread(put, self._tenant(context), blob)
+            info, created = await asyncio.to_thread(self._store.put, self._tenant(context), blob)
         finally:
             for release in releases:
                 release()
@@ -59,7 +59,9 @@ class MemoryServicer(pb_grpc.MemoryServiceServicer):
     async def _receive_blob(
         self, request_iterator: AsyncIterator[pb.MemoryPart], releases: list[Callable[[], None]]
     ) -> bytearray:
-        """The uploaded blob; the upload counts as a transfer from its header on."""
+        """The uploaded blob; the upload counts as a transfer from its header on. A blob
+        whose 8-byte prefix announces a header over the limit is refused as soon as the
+        prefix arrives, not after the whole blob."""
         length: int | None = None
         blob = bytearray()
         async for part in request_iterator:
@@ -76,9 +78,12 @@ class MemoryServicer(pb_grpc.MemoryServiceServicer):
             elif length is None:
                 raise InvalidArgument("PutMemory stream sent data before its header")
             else:
+                checked = len(blob) >= PREFIX_BYTES
                 blob += part.data
                 if len(blob) > length:
                     raise InvalidArgument(f"memory data runs past its header's {length} bytes")
+                if not checked and len(blob) >= PREFIX_BYTES:
+                    header_length(bytes(blob[:PREFIX_BYTES]), length)
         if length is None or len(blob) != length:
             raise InvalidArgument(f"PutMemory stream ended after {len(blob)} of {length} bytes")
         return blob

@@ -22,7 +22,7 @@ from pydantic.json_schema import JsonDict
 from starlette.concurrency import run_in_threadpool
 
 from lmcache_svc.errors import NotFound, PayloadTooLarge
-from lmcache_svc.memories.format import MemoryInfo
+from lmcache_svc.memories.format import PREFIX_BYTES, MemoryInfo, header_length
 from lmcache_svc.memories.integrity import CHECK_PIECE_BYTES, MemoryRead
 from lmcache_svc.memories.store import MemoryStore
 from lmcache_svc.server.http_edge import content_length, principal, read_body
@@ -85,10 +85,10 @@ async def _memory_body(request: Request, store: Store) -> AsyncIterator[bytearra
     if declared is not None and declared > store.max_bytes:
         raise _too_large(f"{declared} bytes (Content-Length)", store.max_bytes)
     release = store.transfer("an upload of a memory")
-    try:
-        yield await read_body(
-            request, store.max_bytes, lambda got: _too_large(got, store.max_bytes)
-        )
+    try:  # a prefix announcing a header over the limit is refused before the rest arrives
+        prefix = (PREFIX_BYTES, lambda head: header_length(head, declared or store.max_bytes))
+        too_large = lambda got: _too_large(got, store.max_bytes)  # noqa: E731
+        yield await read_body(request, store.max_bytes, too_large, prefix)
     finally:
         release()
 

@@ -4,6 +4,7 @@ time, capped in number, and never run on the event loop."""
 from __future__ import annotations
 
 import os
+import socket
 import struct
 import threading
 import time
@@ -241,3 +242,43 @@ def test_grpc_hostile_headers_are_invalid_argument(
     with pytest.raises(errors.BadMemory, match=fragment):
         client.put_memory(struct.pack("<Q", len(header)) + header)
     assert client.list_memories() == []
+
+
+def test_rest_a_header_over_the_limit_is_refused_before_the_body_is_sent(on_disk: App) -> None:
+    """The 8-byte prefix alone is enough: the answer comes while the body is still unsent."""
+    url = httpx.URL(str(on_disk.client.base_url))
+    prefix = struct.pack("<Q", 8 << 20)  # an 8 MiB header: over the 1 MiB limit
+    head = (
+        f"POST /v1/memories HTTP/1.1\r\nHost: {url.host}\r\nContent-Length: {64 << 20}\r\n"
+        "Content-Type: application/octet-stream\r\n\r\n"
+    ).encode()
+    with socket.create_connection((url.host, url.port), timeout=20) as sock:
+        sock.sendall(head + prefix + b"{" * 1024)  # and nothing more
+        answer = b""
+        while b"bad_memory" not in answer and (more := sock.recv(65536)):
+            answer += more
+    text = answer.decode(errors="replace")
+    assert text.startswith("HTTP/1.1 400"), text
+    assert "bad_memory" in text and "limit 1048576" in text
+
+
+def test_grpc_a_header_over_the_limit_is_refused_before_the_blob_is_sent(
+    grpc_memories: tuple[InProcessServer, CacheClient],
+) -> None:
+    server, _ = grpc_memories
+    done = threading.Event()
+
+    def parts() -> Iterator[pb.MemoryPart]:
+        yield pb.MemoryPart(header=pb.MemoryHeader(length=64 << 20))
+        yield pb.MemoryPart(data=struct.pack("<Q", 8 << 20) + b"{" * 1024)
+        done.wait(30)  # the rest never comes while the call is open
+
+    with grpc.insecure_channel(f"unix:{server.socket}", options=channel_options()) as channel:
+        stub = pb_grpc.MemoryServiceStub(channel)
+        try:
+            with pytest.raises(grpc.RpcError) as info:
+                stub.PutMemory(parts(), timeout=20)
+        finally:
+            done.set()
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "limit 1048576" in info.value.details()
