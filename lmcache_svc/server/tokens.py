@@ -183,7 +183,10 @@ class Authenticator:
         if revoked:
             log.warning("tokens file %s: %d tokens revoked", self._path, len(revoked))
             for listener in self._listeners:
-                listener(revoked)
+                try:
+                    listener(revoked)
+                except Exception:  # a bug there must not undo or misreport the reload
+                    log.exception("ending the sessions of revoked tokens failed")
 
     def request_reload(self) -> None:
         """Re-read the file soon, on a thread of its own (SIGHUP). Never blocks: while a
