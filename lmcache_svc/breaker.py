@@ -2,8 +2,12 @@
 
 States: ``closed`` (calls go through), ``open`` (calls are skipped: the caller treats the
 tier as a miss, or as an unavailable demotion target), ``half_open`` (one call, the probe,
-is let through after the backoff; every other call is still skipped).
+is in flight after the backoff; every other call is still skipped).
 
+- Callers' calls (``allow()``) go through only while the breaker is closed: a caller never
+  probes, so it never waits on a tier that may still be hung; it answers from the breaker's
+  state. The probe after the backoff is made by whoever owns the breaker, in the background
+  (``probe_due()`` says it is time, ``allow_probe()`` lets exactly one through).
 - A failed call (``failure()``) trips a closed breaker, and re-opens a half-open one with
   the backoff doubled, up to ``max_backoff_s``. A successful call (``success()``) closes it
   and resets the backoff to ``base_backoff_s``.
@@ -70,22 +74,31 @@ class CircuitBreaker:
             return self._backoff
 
     def may_allow(self) -> bool:
-        """Whether ``allow()`` could let a call through now (changes nothing)."""
+        """Whether ``allow()`` could let a caller's call through now: closed (changes
+        nothing)."""
         with self._lock:
-            return self._state == "closed" or (
-                self._state == "open" and self._clock() >= self._retry_at
-            )
+            return self._state == "closed"
+
+    def probe_due(self) -> bool:
+        """Whether the backoff is over and no probe is in flight: time for ``allow_probe``."""
+        with self._lock:
+            return self._state == "open" and self._clock() >= self._retry_at
 
     def allow(self) -> bool:
-        """Whether a call may go to the tier now (the first call after the backoff probes)."""
+        """Whether a caller's call may go to the tier now: only while closed (never a probe)."""
         with self._lock:
+            if self._state != "closed":
+                return False
             now = self._clock()
-            if self._state == "closed":
-                if self._in_flight and now - min(self._in_flight.values()) > self._slow:
-                    self._trip(now)
-                    return False
-                return True
-            if self._state == "open" and now >= self._retry_at:
+            if self._in_flight and now - min(self._in_flight.values()) > self._slow:
+                self._trip(now)
+                return False
+            return True
+
+    def allow_probe(self) -> bool:
+        """The probe's call, once the backoff is over (half-open until it answers)."""
+        with self._lock:
+            if self._state == "open" and self._clock() >= self._retry_at:
                 self._state = "half_open"
                 return True
             return False

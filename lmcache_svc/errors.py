@@ -88,9 +88,16 @@ class TooManyNamespaces(LMCacheSvcError):
 
 
 class ReservationLimit(NoSpace):
-    """One owner (session or upload) already holds its share of the first tier reserved."""
+    """One owner (session or upload), or one tenant, already holds its share of the first
+    tier reserved."""
 
     kind = "reservation_limit"
+
+
+class LeaseLimit(NoSpace):
+    """One tenant already holds its share of load leases (count or leased chunks)."""
+
+    kind = "lease_limit"
 
 
 class Unauthenticated(LMCacheSvcError):
@@ -121,6 +128,19 @@ class Corrupted(TierError):
     """Stored bytes failed their checksum or header check; the chunk was dropped."""
 
     kind = "corrupted"
+
+
+class MemoryCorrupted(Corrupted):
+    """A stored memory whose bytes differ from the checksum recorded when it was stored: it
+    is not served, and its file is moved aside (quarantined)."""
+
+    kind = "memory_corrupted"
+
+
+class TooBusy(LMCacheSvcError):
+    """The server already runs as many transfers of this kind as it allows; retry later."""
+
+    kind = "too_busy"
 
 
 class ServerUnavailable(LMCacheSvcError):

@@ -171,11 +171,10 @@ class IndexPublisher:
         seg = self._by_namespace.get(key[:NAMESPACE_ID_BYTES])
         if seg is None or self._closed:
             return
-        chunk_hash = key[NAMESPACE_ID_BYTES:]
-        if readable:
-            seg.table.insert(chunk_hash)
+        if readable:  # keyed by namespace and chunk hash (shm_index.key_fingerprint)
+            seg.table.insert(key)
         else:
-            seg.table.remove(chunk_hash)
+            seg.table.remove(key)
 
     def segments_for(self, tenant: str | None) -> list[IndexSegmentInfo]:
         """The tables a caller may map: ``tenant``'s (created now if needed, so a session

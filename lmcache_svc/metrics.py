@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from lmcache_svc.tiers.base import TierStats
@@ -62,10 +62,10 @@ class _TierStateCollector(Collector):
 
 class _MemoryCollector(Collector):
     def __init__(self, read_usage: Callable[[], MemoryUsage]) -> None:
-        self._read_usage = read_usage
+        self.read_usage = read_usage
 
-    def collect(self) -> Iterator[GaugeMetricFamily]:
-        usage = self._read_usage()
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        usage = self.read_usage()
         yield GaugeMetricFamily(
             "lmcache_svc_memories", "Named memories stored (all tenants)", usage.num_memories
         )
@@ -77,11 +77,22 @@ class _MemoryCollector(Collector):
             "Configured capacity for named memories (memory.capacity)",
             usage.capacity_bytes,
         )
+        yield CounterMetricFamily(
+            "lmcache_svc_memory_corrupted",
+            "Named memories refused because their bytes changed at rest (file quarantined)",
+            usage.num_corrupted,
+        )
+        yield GaugeMetricFamily(
+            "lmcache_svc_memory_skipped_files",
+            "Files in the memory path that the start-up scan found are not memories",
+            usage.num_skipped_files,
+        )
 
 
 class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
+        self._memories: _MemoryCollector | None = None
         r = self.registry
         self.hits = Counter(
             "lmcache_svc_chunk_hits",
@@ -105,6 +116,13 @@ class Metrics:
             "Lookups clients answered from the shared-memory lookup index, as they report them "
             "(their chunks are counted in lookup_chunks, lookup_hit_chunks, chunk_hits, "
             "chunk_misses too)",
+            registry=r,
+        )
+        self.refused_reports = Counter(
+            "lmcache_svc_lookup_reports_refused",
+            "ReportLookups refused: counts that cannot be true (implausible), over the "
+            "tenant's budget (over_budget), or no lookup index to answer from (no_index)",
+            ["reason"],
             registry=r,
         )
         self.evictions = Counter(
@@ -211,8 +229,12 @@ class Metrics:
         self.registry.register(_TierStateCollector(read_tiers))
 
     def watch_memories(self, read_usage: Callable[[], MemoryUsage]) -> None:
-        """Export the named memories' count, bytes and capacity, read at each scrape."""
-        self.registry.register(_MemoryCollector(read_usage))
+        """Export the named memories' count, bytes, capacity and integrity counts, read at
+        each scrape (a second call replaces the first's source)."""
+        if self._memories is None:
+            self._memories = _MemoryCollector(read_usage)
+            self.registry.register(self._memories)
+        self._memories.read_usage = read_usage
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

@@ -13,8 +13,11 @@ Layout (native little-endian uint64 words):
   server's heartbeat (``CLOCK_MONOTONIC`` in ns, one clock for every process of a host),
   then the tenant (``TENANT_OFFSET``, length-prefixed UTF-8), the first tier's name
   (``TIER_OFFSET``) and its medium (``MEDIUM_OFFSET``, ``Tier.medium``);
-- then one word per slot: 0 for empty, else a fingerprint (the first 8 bytes of the chunk
-  hash, a sha256 digest; 0 is stored as 1).
+- then one word per slot: 0 for empty, else a fingerprint of the chunk's namespace and hash
+  (the first 8 bytes of the chunk hash, a sha256 digest, XOR the first 8 of the namespace
+  id; 0 is stored as 1). The namespace is part of it: the same chunk hash in two namespaces
+  of one tenant is two entries, so a chunk of one is never a hit in the other, and deleting
+  it from one leaves the other's.
 
 Linear probing; removal shifts the following entries back (no tombstones), so a table never
 degrades. An insert past ``MAX_LOAD`` is refused and the table marks itself
@@ -54,10 +57,11 @@ from dataclasses import dataclass
 
 from lmcache_svc.arena import SHM_DIR, check_segment_name
 from lmcache_svc.errors import InvalidArgument
+from lmcache_svc.keys import NAMESPACE_ID_BYTES
 from lmcache_svc.results import LookupResult
 from lmcache_svc.tiers.base import MEDIA, Medium
 
-MAGIC = int.from_bytes(b"LMCSVCI2", "little")  # 2: the header holds the medium
+MAGIC = int.from_bytes(b"LMCSVCI3", "little")  # 3: fingerprints keyed by namespace
 HEADER_BYTES = 4096
 W_MAGIC, W_NONCE0, W_NONCE1, W_SLOTS, W_SEQ, W_COUNT, W_FLAGS, W_BEAT = range(8)
 TENANT_OFFSET = 64
@@ -80,9 +84,20 @@ INDEX_TRANSPORT = "shm-index"
 """``Segment.transport`` of an index segment in the session's first event."""
 
 
-def fingerprint(chunk_hash: bytes) -> int:
-    """The 64-bit word that stands for a chunk in the table (never 0, the empty mark)."""
-    return int.from_bytes(chunk_hash[:8], "little") or 1
+def namespace_word(namespace_id: bytes) -> int:
+    """What a namespace adds to its chunks' fingerprints."""
+    return int.from_bytes(namespace_id[:8], "little")
+
+
+def fingerprint(namespace_word: int, chunk_hash: bytes) -> int:
+    """The 64-bit word that stands for a chunk of a namespace in the table (never 0, the
+    empty mark)."""
+    return (int.from_bytes(chunk_hash[:8], "little") ^ namespace_word) or 1
+
+
+def key_fingerprint(key: bytes) -> int:
+    """The fingerprint of a chunk key (namespace id, then chunk hash)."""
+    return fingerprint(namespace_word(key[:NAMESPACE_ID_BYTES]), key[NAMESPACE_ID_BYTES:])
 
 
 def segment_bytes(num_slots: int) -> int:
@@ -194,9 +209,10 @@ class IndexTable:
                 return None
             i = (i + 1) & mask
 
-    def insert(self, chunk_hash: bytes) -> bool:
-        """Index a chunk; False when the table is full (it is then marked incomplete)."""
-        fp = fingerprint(chunk_hash)
+    def insert(self, key: bytes) -> bool:
+        """Index a chunk (its key: namespace id, then chunk hash); False when the table is
+        full (it is then marked incomplete)."""
+        fp = key_fingerprint(key)
         if self._find(fp) is not None:
             return True  # already there (or a colliding fingerprint: a hit either way)
         if self._count >= self.max_entries:
@@ -226,9 +242,9 @@ class IndexTable:
         if not self._refused:
             self._set_flag(FLAG_INCOMPLETE, False)
 
-    def remove(self, chunk_hash: bytes) -> bool:
+    def remove(self, key: bytes) -> bool:
         """Drop a chunk (backward-shift deletion); False if it was not indexed."""
-        fp = fingerprint(chunk_hash)
+        fp = key_fingerprint(key)
         if fp in self._refused:
             self._refused.discard(fp)
             if not self._refused:
@@ -259,8 +275,8 @@ class IndexTable:
             self._take_refused()
         return True
 
-    def contains(self, chunk_hash: bytes) -> bool:
-        return self._find(fingerprint(chunk_hash)) is not None
+    def contains(self, key: bytes) -> bool:
+        return self._find(key_fingerprint(key)) is not None
 
     def release(self) -> None:
         self._slots.release()
@@ -347,12 +363,13 @@ class IndexReader:
         fcntl.flock(fd, fcntl.LOCK_UN)
         return False
 
-    def lookup(self, chunk_hashes: Sequence[bytes]) -> IndexAnswer | None:
-        """Leading chunks indexed; None when the table is closed or kept changing under the
-        reads (the caller asks the server)."""
+    def lookup(self, namespace_id: bytes, chunk_hashes: Sequence[bytes]) -> IndexAnswer | None:
+        """Leading chunks of the namespace indexed; None when the table is closed or kept
+        changing under the reads (the caller asks the server)."""
         if time.monotonic_ns() - self._words[W_BEAT] > STALE_NS or not self._server_alive():
             return None
-        fps = [fingerprint(h) for h in chunk_hashes]
+        word = namespace_word(namespace_id)
+        fps = [fingerprint(word, h) for h in chunk_hashes]
         words, slots, mask = self._words, self._slots, self._mask
         limit = self.num_slots
         for _ in range(MAX_READ_TRIES):
@@ -399,7 +416,10 @@ def open_index_segments(segments: Iterable[object]) -> dict[str, IndexReader]:
 
 
 def answer_locally(
-    readers: dict[str, IndexReader], tenant: str, chunk_hashes: Sequence[bytes]
+    readers: dict[str, IndexReader],
+    tenant: str,
+    namespace_id: bytes,
+    chunk_hashes: Sequence[bytes],
 ) -> LookupResult | None:
     """``Lookup``'s answer (the leading chunks held, all in the first tier, with the tier's
     name and medium from the table's header) from the tenant's table, or None when the table
@@ -408,7 +428,7 @@ def answer_locally(
     reader = readers.get(tenant)
     if reader is None or any(len(h) != 32 for h in chunk_hashes):
         return None
-    answer = reader.lookup(chunk_hashes)
+    answer = reader.lookup(namespace_id, chunk_hashes)
     if answer is None or not answer.final:
         return None
     num = answer.num_hit_chunks

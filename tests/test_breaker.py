@@ -25,11 +25,14 @@ def test_a_failure_opens_it_until_a_probe_after_the_backoff_succeeds() -> None:
     assert breaker.allow() and breaker.state == "closed"
     breaker.failure()
     assert breaker.state == "open" and breaker.trips == 1
-    assert not breaker.allow() and not breaker.may_allow()
+    assert not breaker.allow() and not breaker.may_allow() and not breaker.probe_due()
+    assert not breaker.allow_probe()  # not before the backoff
     clock.now += 1.01
-    assert breaker.may_allow() and breaker.state == "open"
-    assert breaker.allow()  # the probe
-    assert breaker.state == "half_open" and not breaker.allow()  # one probe at a time
+    assert breaker.probe_due() and breaker.state == "open"
+    assert not breaker.allow() and not breaker.may_allow()  # a caller never probes
+    assert breaker.allow_probe()  # the probe (made in the background)
+    assert breaker.state == "half_open" and not breaker.allow_probe()  # one at a time
+    assert not breaker.allow() and not breaker.probe_due()
     assert breaker.success() is True  # recovered from an outage
     assert breaker.state == "closed" and breaker.allow()
 
@@ -40,18 +43,18 @@ def test_failed_probes_double_the_backoff_up_to_the_cap() -> None:
     waits = []
     for _ in range(4):
         start = clock.now
-        while not breaker.allow():
+        while not breaker.allow_probe():
             clock.now += 0.25
         waits.append(clock.now - start)
         breaker.failure()
     assert waits == [1.0, 2.0, 4.0, 4.0]
     assert breaker.trips == 1  # failed probes are one outage
     clock.now += 4
-    assert breaker.allow()
+    assert breaker.allow_probe()
     breaker.success()
     breaker.failure()
     clock.now += 1.01
-    assert breaker.allow()  # the backoff was reset by the success
+    assert breaker.allow_probe()  # the backoff was reset by the success
 
 
 def test_a_call_hung_past_slow_call_s_trips_it_for_the_others() -> None:

@@ -131,7 +131,9 @@ def test_prepare_load_leases_only_the_available_prefix(cache_factory) -> None:
 
 
 def test_reservations_expire_and_late_commits_do_nothing(cache_factory) -> None:
-    cache = cache_factory(2, settings=CacheSettings(max_reserved_fraction=1.0))
+    cache = cache_factory(
+        2, settings=CacheSettings(max_reserved_fraction=1.0, max_tenant_reserved_fraction=1.0)
+    )
     prepared = cache.prepare_store(NS, [make_hash("a"), make_hash("b")], session_id="s1", ttl_s=1)
     assert [p.status for p in prepared] == ["reserved", "reserved"]
     assert cache.prepare_store(NS, [make_hash("a")])[0].status == "in_progress"
@@ -244,7 +246,8 @@ def test_namespaces_isolate_chunks(cache_factory) -> None:
 
 
 def test_concurrent_clients_never_exceed_capacity_or_mix_bytes(cache_factory) -> None:
-    cache = cache_factory(6, ssd_chunks=10)
+    # one tenant's uploads may reserve the whole (tiny) arena: this is about capacity
+    cache = cache_factory(6, ssd_chunks=10, settings=CacheSettings(max_tenant_reserved_fraction=1))
     cpu, ssd = cache.tiers
     names = [f"c{i}" for i in range(40)]
     errors: list[BaseException] = []

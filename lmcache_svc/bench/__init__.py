@@ -34,8 +34,9 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     ),
     "soak": (
         "lmcache_svc.bench.soak",
-        "clients storing, loading and looking up through client kills, a hung and a "
-        "restarted Redis and server restarts; every loaded byte verified",
+        "clients storing, loading and looking up chunks and named memories through client "
+        "kills, a hung and a restarted Redis, server restarts and memory files corrupted on "
+        "disk; every loaded byte verified",
     ),
     "memory": (
         "lmcache_svc.bench.memory",

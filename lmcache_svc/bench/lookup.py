@@ -139,17 +139,18 @@ class IndexView:
     without mapping the (large, sparse) arena, answered by the same code as
     ``CacheClient.lookup(..., local_lookup=True)``."""
 
-    def __init__(self, address: str, tenant: str) -> None:
+    def __init__(self, address: str, tenant: str, namespace_id: bytes) -> None:
         self._channel = grpc.insecure_channel(grpc_target(address))
         stub = pb_grpc.CacheServiceStub(self._channel)
         self._stream = stub.OpenSession(pb.OpenSessionRequest(client_name="bench-lookup"))
         self.readers = open_index_segments(next(self._stream).segments)
         self._tenant = tenant
+        self._namespace_id = namespace_id
         if tenant not in self.readers:
             raise RuntimeError(f"the server's session lists no lookup index for {tenant!r}")
 
     def lookup(self, hashes: Sequence[bytes]) -> int:
-        answer = answer_locally(self.readers, self._tenant, hashes)
+        answer = answer_locally(self.readers, self._tenant, self._namespace_id, hashes)
         if answer is None:
             raise RuntimeError("the lookup index could not answer (overflowed or stale?)")
         return answer.num_hit_chunks
@@ -294,7 +295,7 @@ class Clients:
             client.wait_ready()
             client.register_namespace(ns)
         http = httpx.Client(timeout=30.0)
-        index = IndexView(server.socket, ns.tenant)
+        index = IndexView(server.socket, ns.tenant, ns.namespace_id)
         return cls(socket, tcp, http, server.http_url, Filler(server.socket), index)
 
     def close(self) -> None:

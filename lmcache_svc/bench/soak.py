@@ -15,11 +15,17 @@ new chunks once the key space has been stored).
 - ``server-restart``: the server SIGKILLed and restarted, later SIGTERMed and restarted;
 - ``recovered``: traffic only, after every fault.
 
+Two more workers (one over gRPC, one over REST) store, read, list and delete named memories
+the whole time, every byte of every read verified, while a byte of a random memory file is
+flipped on disk every few seconds and files that are not memories are planted before the
+server restarts (``soak_memories.py``): a corrupted memory must be refused, never served.
+
 At the end one client loads every chunk of the key space it can find and checks it too
-(``final``), and the server must hold no reservation of the killed clients. The report
+(``final``), every memory the server lists is read and checked, and the server must hold no
+reservation of the killed clients. The report
 gives operations, errors, bytes verified and mismatches per phase, and RSS over time. Any
-mismatch misses the target and makes ``lmcache-svc bench soak`` exit non-zero
-(``report.data["failed"]``).
+mismatch (of a chunk or a memory) misses its target and makes ``lmcache-svc bench soak`` exit
+non-zero (``report.data["failed"]``).
 
 ``--minutes N`` (or ``--set minutes=N``) sets the length; ``--set`` keys: ``clients``,
 ``key_space`` (prefixes of 4 chunks), ``max_ops`` (per client). Loopback only; stops by itself.
@@ -38,10 +44,14 @@ from typing import Any
 from lmcache_svc.bench.report import Report
 from lmcache_svc.bench.runner import BenchContext
 from lmcache_svc.bench.soak_faults import SoakStack, Victims, spawn_worker
+from lmcache_svc.bench.soak_memories import MemoryFaults, final_memory_check
+from lmcache_svc.bench.soak_report import memory_table
 from lmcache_svc.bench.soak_worker import content, prefix_hashes, soak_namespace
 from lmcache_svc.client import CacheClient
 
 PHASES = ("steady", "client-kill", "redis-outage", "server-restart", "recovered")
+MEMORY_KEYS = 24
+"""Named memories the memory workers use (64-320 KiB each)."""
 OPS = ("store", "load", "lookup", "delete")
 COLUMNS = ["phase", "s", "stores", "loads", "lookups", "deletes", "errors", "MiB verified",
            "mismatches"]  # fmt: skip
@@ -83,21 +93,34 @@ def run(ctx: BenchContext) -> Report:
     stop_sampling = threading.Event()
     try:
         start = time.time()
-        until = start + len(PHASES) * phase_s
+        until = start + len(PHASES) * phase_s + 600  # a backstop: the stop file ends them
+        stop_file = ctx.work_dir / "stop"
         for i in range(p.clients):  # the first shares memory, the second is inline, ...
             inline = i % 2 == 1
             address = stack.tcp_address if inline else stack.socket
             out = out_dir / f"client-{i}.json"
             workers.append(spawn_worker(address, out, until, inline=inline,
-                                        key_space=p.key_space, max_ops=p.max_ops))  # fmt: skip
+                                        key_space=p.key_space, max_ops=p.max_ops,
+                                        stop_file=stop_file))  # fmt: skip
+        for transport in ("grpc", "rest"):
+            out = out_dir / f"memories-{transport}.json"
+            workers.append(spawn_worker(stack.socket, out, until, memories=transport,
+                                        http_url=stack.http_url, stop_file=stop_file))  # fmt: skip
+        _wait_started(out_dir, len(workers), workers)
+        faults = MemoryFaults(stack.memory_dir, stack.events)
+        faults.start()
         sampler = threading.Thread(
             target=_sample, args=(stack, samples, stop_sampling), daemon=True
         )
         sampler.start()
-        bounds = _run_phases(ctx, stack, phase_s, out_dir, until, p.key_space)
+        start = time.time()  # the phases start once every worker runs
+        bounds = _run_phases(ctx, stack, phase_s, out_dir, until, p.key_space, faults)
+        stop_file.touch()
         for proc in workers:
-            _reap(proc, deadline=until + 60)
+            _reap(proc, deadline=time.time() + 60)
+        faults.stop()
         final = _final_check(stack, p.key_space)
+        memories_final = final_memory_check(stack.socket, MEMORY_KEYS)
         pending = int(_stats(stack)["pending_stores"])
         stop_sampling.set()
         sampler.join(5)
@@ -109,19 +132,21 @@ def run(ctx: BenchContext) -> Report:
         stack.close()
     totals = _collect(out_dir, bounds)
     totals["final"] = final
+    totals["memories_final"] = {**memories_final, "files_corrupted": faults.corrupted}
     return _report(ctx, p, start, bounds, totals, samples, stack, pending)
 
 
 def _run_phases(
-    ctx: BenchContext, stack: SoakStack, phase_s: float, out_dir: Path, until: float, keys: int
-) -> dict[str, tuple[float, float]]:
+    ctx: BenchContext, stack: SoakStack, phase_s: float, out_dir: Path, until: float, keys: int,
+    faults: MemoryFaults,
+) -> dict[str, tuple[float, float]]:  # fmt: skip
     bounds: dict[str, tuple[float, float]] = {}
-    victims = Victims(stack, out_dir, until, keys)
+    victims = Victims(stack, out_dir, until, keys, stop_file=out_dir.parent / "stop")
     steps = {
         "steady": lambda: time.sleep(phase_s),
         "client-kill": lambda: victims.run_for(phase_s),
         "redis-outage": lambda: _redis_outage(stack, phase_s),
-        "server-restart": lambda: _server_restarts(stack, phase_s),
+        "server-restart": lambda: _server_restarts(stack, phase_s, faults),
         "recovered": lambda: time.sleep(phase_s),
     }
     for name in PHASES:
@@ -132,15 +157,30 @@ def _run_phases(
     return bounds
 
 
+def _wait_started(out_dir: Path, num: int, procs: list[Any], timeout_s: float = 120) -> None:
+    """Until every worker has written its first counts (it imported, connected and runs):
+    on a busy machine starting them all takes longer than a quick run's first phase."""
+    deadline = time.monotonic() + timeout_s
+    while len(list(out_dir.glob("*.json"))) < num:
+        if time.monotonic() > deadline or any(p.poll() is not None for p in procs):
+            raise RuntimeError(f"soak workers did not start; see the logs in {out_dir}")
+        time.sleep(0.1)
+
+
 def _redis_outage(stack: SoakStack, phase_s: float) -> None:
     plan = ((0.1, stack.hang_redis), (0.35, stack.resume_redis), (0.5, stack.kill_redis),
             (0.65, stack.restart_redis), (1.0, lambda: None))  # fmt: skip
     _on_schedule(plan, phase_s)
 
 
-def _server_restarts(stack: SoakStack, phase_s: float) -> None:
-    plan = ((0.15, stack.crash_server), (0.25, stack.restart_server), (0.55, stack.stop_server),
-            (0.6, stack.restart_server), (1.0, lambda: None))  # fmt: skip
+def _server_restarts(stack: SoakStack, phase_s: float, faults: MemoryFaults) -> None:
+    def plant() -> None:  # the restart must skip them, and start
+        planted = faults.plant_bad_files()
+        stack.events.append((time.time(), f"bad memory files planted ({planted})"))
+
+    plan = ((0.1, plant), (0.15, stack.crash_server), (0.25, stack.restart_server),
+            (0.55, stack.stop_server), (0.6, stack.restart_server),
+            (1.0, lambda: None))  # fmt: skip
     _on_schedule(plan, phase_s)
 
 
@@ -246,11 +286,14 @@ def _report(
     ]  # fmt: skip
     _rss_table(report, start, samples, bounds)
     report.target("chunks served with wrong bytes", mismatches, 0, lower_is_better=True)
+    memory_mismatches, memory_verified = memory_table(report, PHASES, bounds, totals)
+    report.target("memories served with wrong bytes", memory_mismatches, 0, lower_is_better=True)
     idle = [n for n in PHASES if not sum(totals["phases"][n].get(op, 0) for op in OPS)]
     report.data.update(
         params=p.__dict__, bounds=bounds, totals=totals, events=stack.events,
         rss=samples, pending_stores=pending, mismatches=mismatches, idle_phases=idle,
-        failed=bool(mismatches or idle or pending),
+        memory_mismatches=memory_mismatches,
+        failed=bool(mismatches or idle or pending or memory_mismatches or not memory_verified),
     )  # fmt: skip
     return report
 

@@ -55,6 +55,15 @@ class SoakStack:
     def tcp_address(self) -> str:
         return f"127.0.0.1:{self.grpc_port}"
 
+    @property
+    def http_url(self) -> str:
+        return f"http://127.0.0.1:{self.http_port}"
+
+    @property
+    def memory_dir(self) -> Path:
+        """Where the server keeps named memories (under the SSD tier's path)."""
+        return self.work / "ssd" / "memories"
+
     def _start_server(self) -> ServerProc:
         args = [
             "--grpc-port", str(self.grpc_port), "--http-port", str(self.http_port),
@@ -124,17 +133,20 @@ class SoakStack:
 
 def spawn_worker(
     address: str, out: Path, until: float, *, inline: bool = False, store_only: bool = False,
-    key_space: int = 600, max_ops: int = 1_000_000,
+    key_space: int = 600, max_ops: int = 1_000_000, memories: str | None = None,
+    http_url: str = "", stop_file: Path | None = None,
 ) -> subprocess.Popen[bytes]:  # fmt: skip
     cmd = [
         sys.executable, "-m", "lmcache_svc.bench.soak_worker", "--address", address,
         "--out", str(out), "--until", str(until), "--key-space", str(key_space),
-        "--max-ops", str(max_ops),
+        "--max-ops", str(max_ops), "--stop-file", str(stop_file or ""),
     ]  # fmt: skip
     if inline:
         cmd.append("--inline")
     if store_only:
         cmd.append("--store-only")
+    if memories is not None:
+        cmd += ["--memories", memories, "--http-url", http_url]
     log = open(out.with_suffix(".log"), "wb")  # noqa: SIM115 - the child owns it
     return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
 
@@ -142,10 +154,14 @@ def spawn_worker(
 class Victims:
     """Store-only clients killed (SIGKILL) at random moments and replaced."""
 
-    def __init__(self, stack: SoakStack, out_dir: Path, until: float, key_space: int) -> None:
+    def __init__(
+        self, stack: SoakStack, out_dir: Path, until: float, key_space: int,
+        stop_file: Path | None = None,
+    ) -> None:  # fmt: skip
         self.stack = stack
         self.out_dir = out_dir
         self.until = until
+        self.stop_file = stop_file
         self.key_space = key_space
         self.kills = 0
         self._proc: subprocess.Popen[bytes] | None = None
@@ -157,8 +173,9 @@ class Victims:
             if self._proc is None or self._proc.poll() is not None:
                 out = self.out_dir / f"victim-{self.kills}.json"
                 self._proc = spawn_worker(
-                    self.stack.socket, out, self.until, store_only=True, key_space=self.key_space
-                )
+                    self.stack.socket, out, self.until, store_only=True,
+                    key_space=self.key_space, stop_file=self.stop_file,
+                )  # fmt: skip
             time.sleep(min(self._rng.uniform(1.5, 3.0), max(0.0, end - time.monotonic())))
             if self._proc.poll() is None:
                 self._proc.kill()

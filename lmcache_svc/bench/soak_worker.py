@@ -1,6 +1,7 @@
 """One soak client process: store, load and look up chunks whose bytes derive from their keys.
 
 ``python -m lmcache_svc.bench.soak_worker --address A --name N --out F --until T [--inline]``
+(``--memories grpc|rest --http-url U``: named memories instead, ``soak_memories.py``)
 
 Every chunk's bytes are a seeded pattern of its hash (``content``), so any load is verified
 on the spot with no bookkeeping: a mismatch is a chunk served with bytes that were never
@@ -23,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from lmcache_svc.bench.soak_memories import MemoryWorker
 from lmcache_svc.client import CacheClient
 from lmcache_svc.keys import KVLayout, Namespace, chunk_hashes
 
@@ -128,21 +130,29 @@ class Worker:
 
 def run(args: argparse.Namespace) -> None:
     tally = Tally(Path(args.out))
-    client = CacheClient(args.address, timeout_s=args.timeout_s, use_shm=not args.inline)
-    worker: Worker | None = None
+    use_shm = not args.inline and not args.memories
+    client = CacheClient(args.address, timeout_s=args.timeout_s, use_shm=use_shm)
+    worker: Worker | MemoryWorker | None = None
     ops = 0
-    while time.time() < args.until and ops < args.max_ops:
+    stop = Path(args.stop_file) if args.stop_file else None
+    while time.time() < args.until and ops < args.max_ops and not (stop and stop.exists()):
         try:
-            if worker is None:
+            if worker is None and args.memories:
+                worker = MemoryWorker(
+                    args.memories, client, args.http_url, args.memory_key_space, tally
+                )
+            elif worker is None:
                 worker = Worker(client, args.inline, args.store_only, args.key_space, tally)
             worker.step()
             ops += 1
         except Exception as e:  # faults are injected: count the error, pause, go on
-            tally.add(f"error:{_kind(e)}")
+            tally.add(f"{'mem_error' if args.memories else 'error'}:{_kind(e)}")
             tally.error_samples.append(f"{time.time():.1f} {type(e).__name__}: {e}"[:300])
             time.sleep(0.1)
         tally.flush()
     tally.flush(force=True)
+    if isinstance(worker, MemoryWorker):
+        worker.close()
     client.close()
 
 
@@ -170,11 +180,15 @@ def main() -> None:
     parser.add_argument("--address", required=True)
     parser.add_argument("--out", required=True)
     parser.add_argument("--until", type=float, required=True, help="wall-clock end (epoch s)")
+    parser.add_argument("--stop-file", default="", help="stop once this file exists")
     parser.add_argument("--max-ops", type=int, default=1_000_000)
     parser.add_argument("--key-space", type=int, default=600)
     parser.add_argument("--timeout-s", type=float, default=10.0)
     parser.add_argument("--inline", action="store_true", help="inline gRPC, no shared memory")
     parser.add_argument("--store-only", action="store_true", help="only stores (a kill victim)")
+    parser.add_argument("--memories", choices=("grpc", "rest"), help="named memories instead")
+    parser.add_argument("--http-url", default="", help="the server's REST URL (--memories rest)")
+    parser.add_argument("--memory-key-space", type=int, default=24)
     run(parser.parse_args())
 
 

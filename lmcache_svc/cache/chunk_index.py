@@ -7,7 +7,8 @@ in flux (reserved, being promoted, pinned by a lease or a copy, or deleted while
 gets an ``Entry`` with its state for that time, dropped again when it settles. The order is
 least recently used first.
 
-Reservations are counted per owner (``owned_bytes``), and a reservation that passed its
+Reservations are counted per owner (``owned_bytes``) and per tenant (``tenant_bytes``, for
+the reservations made with one), and a reservation that passed its
 deadline is *quarantined* rather than freed: its writer (a client holding a view of the slot
 in shared memory, or an inline upload) may still be writing, so the slot stays out of
 circulation, the key stays busy, and only its owner's commit or abort, or the end of its
@@ -27,10 +28,12 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import TypeVar
 
 from lmcache_svc.keys import ChunkKey
 from lmcache_svc.tiers.base import Slot
 
+K = TypeVar("K")
 CHECK_LOCKS_ENV = "LMCACHE_CHECK_LOCKS"
 """Set to 1 to check, in every index change, that the cache's lock is held (debugging)."""
 
@@ -48,6 +51,8 @@ class Entry:
     """Deleted while pinned: freed when the last pin goes."""
     expired: bool = False
     """A reservation past its deadline, quarantined until its owner lets go of it."""
+    tenant: str | None = None
+    """The tenant a reservation counts against (None: promotions, the server's own)."""
 
     @property
     def at_rest(self) -> bool:
@@ -71,6 +76,7 @@ class ChunkIndex:
         self._pending: set[ChunkKey] = set()  # not ready yet: reserved or being promoted
         self._quarantined: dict[ChunkKey, str | None] = {}  # expired reservation -> owner
         self._owned_bytes: dict[str | None, int] = {}  # reserved + quarantined, per owner
+        self._tenant_bytes: dict[str, int] = {}  # the same, per tenant
         self._detached: set[ChunkKey] = set()  # evicted, bytes being demoted (not yet freed)
         self.on_change: Callable[[ChunkKey, bool], None] | None = None
         """Told when a chunk becomes readable (True) or stops being so (the lookup index)."""
@@ -111,12 +117,21 @@ class ChunkIndex:
             raise RuntimeError(f"chunk {key.hex()} is indexed but its tier has no slot for it")
         return slot
 
-    def reserve(self, key: ChunkKey, slot: Slot, owner: str | None, deadline: float) -> None:
+    def reserve(
+        self,
+        key: ChunkKey,
+        slot: Slot,
+        owner: str | None,
+        deadline: float,
+        tenant: str | None = None,
+    ) -> None:
         if self._check_lock:
             self._locked("reserve")
-        self._items[key] = Entry(slot, ready=False, owner=owner, deadline=deadline)
+        self._items[key] = Entry(slot, ready=False, owner=owner, deadline=deadline, tenant=tenant)
         self._pending.add(key)
         self._owned_bytes[owner] = self._owned_bytes.get(owner, 0) + slot.length
+        if tenant is not None:
+            self._tenant_bytes[tenant] = self._tenant_bytes.get(tenant, 0) + slot.length
 
     def mark_ready(self, key: ChunkKey, entry: Entry) -> None:
         if self._check_lock:
@@ -159,6 +174,10 @@ class ChunkIndex:
         """Bytes of the slots ``owner`` holds reserved, quarantined ones included."""
         return self._owned_bytes.get(owner, 0)
 
+    def tenant_bytes(self, tenant: str) -> int:
+        """Bytes of the slots reserved for ``tenant``, quarantined ones included."""
+        return self._tenant_bytes.get(tenant, 0)
+
     @property
     def quarantined_bytes(self) -> int:
         items = self._items
@@ -167,11 +186,9 @@ class ChunkIndex:
     def _disown(self, entry: Entry) -> None:
         if entry.ready:
             return
-        left = self._owned_bytes[entry.owner] - entry.slot.length
-        if left:
-            self._owned_bytes[entry.owner] = left
-        else:
-            del self._owned_bytes[entry.owner]
+        _take(self._owned_bytes, entry.owner, entry.slot.length)
+        if entry.tenant is not None:
+            _take(self._tenant_bytes, entry.tenant, entry.slot.length)
 
     def settle(self, key: ChunkKey, entry: Entry) -> None:
         """Back to the bare slot once the chunk is at rest (its LRU position is kept)."""
@@ -279,3 +296,11 @@ class ChunkIndex:
             victims.append((key, slot))
             freed += slot.length
         return victims
+
+
+def _take(counts: dict[K, int], name: K, nbytes: int) -> None:
+    left = counts[name] - nbytes
+    if left:
+        counts[name] = left
+    else:
+        del counts[name]

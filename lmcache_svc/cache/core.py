@@ -17,6 +17,7 @@ from lmcache_svc.cache.background_queue import BackgroundQueue, Pace
 from lmcache_svc.cache.chunk_index import ChunkIndex
 from lmcache_svc.cache.first_tier_manager import FirstTierManager
 from lmcache_svc.cache.lower_tier_manager import LowerTierManager
+from lmcache_svc.cache.quotas import ReservationBudget
 from lmcache_svc.cache.sessions import Sessions
 from lmcache_svc.cache.settings import CacheSettings
 from lmcache_svc.cache.values import CacheStats, TierPolicy
@@ -58,6 +59,12 @@ class CacheCore:
             checksums=self.settings.checksums,
         )
         self._namespaces: dict[NamespaceId, Namespace] = {}
+        self._reservations = ReservationBudget(
+            self._index,
+            first.capacity_bytes,
+            self.settings.max_reserved_fraction,
+            self.settings.max_tenant_reserved_fraction,
+        )
         self._sessions = Sessions(
             self._lock,
             self._index,

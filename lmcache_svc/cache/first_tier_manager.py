@@ -32,6 +32,9 @@ from lmcache_svc.tiers.base import Slot, SlotTier
 
 log = logging.getLogger(__name__)
 
+STAGING_BYTES = 64 << 20
+"""Most bytes a promotion reads ahead into staging buffers before it makes room for them."""
+
 
 class FirstTierManager:
     def __init__(
@@ -52,18 +55,26 @@ class FirstTierManager:
         self._sums = SlotChecksums(tier.segment().size) if checksums else None
 
     def allocate(
-        self, key: ChunkKey, nbytes: int, owner: str | None, deadline: float
+        self,
+        key: ChunkKey,
+        nbytes: int,
+        owner: str | None,
+        deadline: float,
+        tenant: str | None = None,
+        *,
+        evict: bool = True,
     ) -> Slot | None:
-        """A not-ready entry for ``key`` with a fresh slot, evicting to make room."""
+        """A not-ready entry for ``key`` with a fresh slot (counted against ``tenant``, when
+        given), evicting to make room unless told not to."""
         while True:
             with self._lock:
                 if self._index.busy(key):
                     return None
                 slot = self._tier.allocate(key, nbytes)
                 if slot is not None:
-                    self._index.reserve(key, slot, owner, deadline)
+                    self._index.reserve(key, slot, owner, deadline, tenant)
                     return slot
-            if not self.evict(nbytes):
+            if not evict or not self.evict(nbytes):
                 return None
 
     def evict(self, nbytes: int) -> int:
@@ -85,18 +96,37 @@ class FirstTierManager:
         return len(victims)
 
     def promote(self, keys: list[ChunkKey], nbytes: int) -> tuple[list[ChunkKey], list[str]]:
-        """Copy a contiguous run of chunks up from lower tiers; returns the pinned prefix."""
+        """Copy a contiguous run of chunks up from lower tiers; returns the pinned prefix.
+
+        Chunks go straight into slots that are free now; only a chunk whose bytes are
+        already in hand (read into a staging buffer, ``STAGING_BYTES`` at a time) may evict
+        others to make room, so a read that fails (a tier that lost the chunk: a Redis that
+        restarted empty) never costs the arena a chunk."""
         with self._lock:
             num = next(
                 (i for i, k in enumerate(keys) if self._index.busy(k)),
                 len(keys),
             )
-        reserved: list[tuple[ChunkKey, LowerTierState, memoryview]] = []
-        for key, source in zip(keys, self._lower.sources(keys[:num])):
-            slot = self.allocate(key, nbytes, owner="promotion", deadline=float("inf"))
+        plan = list(zip(keys, self._lower.sources(keys[:num])))
+        in_place: list[tuple[ChunkKey, LowerTierState, memoryview]] = []
+        for key, source in plan:
+            slot = self.allocate(key, nbytes, "promotion", float("inf"), evict=False)
             if slot is None:
                 break
-            reserved.append((key, source, self._tier.view(slot)))
+            in_place.append((key, source, self._tier.view(slot)))
+        pinned, sources, whole = self._read_up(in_place)
+        if whole and len(in_place) < len(plan):
+            more, more_from = self._promote_staged(plan[len(in_place) :], nbytes)
+            pinned += more
+            sources += more_from
+        return pinned, sources
+
+    def _read_up(
+        self, reserved: list[tuple[ChunkKey, LowerTierState, memoryview]]
+    ) -> tuple[list[ChunkKey], list[str], bool]:
+        """Read promoted chunks into their reserved slots; (pinned prefix, its sources,
+        whether every read succeeded). A failed one's slot is freed; later ones stay
+        promoted, but only the prefix is leased."""
         try:
             ok = self._lower.read_up(reserved)
         except BaseException:
@@ -104,6 +134,37 @@ class FirstTierManager:
                 for key, _, _ in reserved:
                     self.free(key)
             raise
+        return (*self._settle_promoted(reserved, ok), all(ok))
+
+    def _promote_staged(
+        self, plan: list[tuple[ChunkKey, LowerTierState]], nbytes: int
+    ) -> tuple[list[ChunkKey], list[str]]:
+        """Promote chunks with no free slot: read them into staging buffers first, and
+        allocate (evicting) only for those read; stop at the first that fails."""
+        pinned: list[ChunkKey] = []
+        sources: list[str] = []
+        step = max(1, STAGING_BYTES // max(1, nbytes))
+        for start in range(0, len(plan), step):
+            staged = [(k, s, memoryview(bytearray(nbytes))) for k, s in plan[start : start + step]]
+            ok = self._lower.read_up(staged)
+            placed: list[tuple[ChunkKey, LowerTierState, memoryview]] = []
+            for (key, source, data), good in zip(staged, ok):
+                slot = self.allocate(key, nbytes, "promotion", float("inf")) if good else None
+                if slot is None:
+                    break
+                view = self._tier.view(slot)
+                view[:] = data
+                placed.append((key, source, view))
+            more, more_from = self._settle_promoted(placed, [True] * len(placed))
+            pinned += more
+            sources += more_from
+            if len(placed) < len(staged):
+                break
+        return pinned, sources
+
+    def _settle_promoted(
+        self, reserved: list[tuple[ChunkKey, LowerTierState, memoryview]], ok: list[bool]
+    ) -> tuple[list[ChunkKey], list[str]]:
         pinned: list[ChunkKey] = []
         sources: list[str] = []
         contiguous = True

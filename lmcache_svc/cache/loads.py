@@ -8,7 +8,7 @@ from collections.abc import Sequence
 
 from lmcache_svc.cache.core import CacheCore
 from lmcache_svc.cache.values import LeasedSlots
-from lmcache_svc.keys import ChunkKey
+from lmcache_svc.keys import ChunkKey, Namespace
 
 
 class LoadPath(CacheCore):
@@ -24,10 +24,27 @@ class LoadPath(CacheCore):
         """Pin the longest available prefix in the first tier, promoting from lower tiers;
         with ``verify``, only the leading chunks whose bytes match their checksums."""
         keys = self._keys(namespace_id, chunk_hashes)
-        nbytes = self.namespace(namespace_id).chunk_bytes
+        ns = self.namespace(namespace_id)
         # Checked before anything is pinned: a bad ttl must not leave pins behind.
         s = self.settings
         deadline = self._sessions.deadline(ttl_s, s.lease_ttl_s, s.max_lease_ttl_s)
+        self._sessions.charge_lease(ns.tenant, session_id, len(keys))  # the tenant's quota
+        lease: LeasedSlots | None = None
+        try:
+            lease = self._pin_prefix(keys, ns, session_id, deadline, verify)
+        finally:
+            if lease is None or lease.lease_id is None:
+                self._sessions.uncharge_lease(ns.tenant, session_id, len(keys))
+        return lease
+
+    def _pin_prefix(
+        self,
+        keys: list[ChunkKey],
+        ns: Namespace,
+        session_id: str | None,
+        deadline: float,
+        verify: bool,
+    ) -> LeasedSlots:
         pinned: list[ChunkKey] = []
         sources: list[str] = []
         with self._lock:
@@ -39,7 +56,7 @@ class LoadPath(CacheCore):
                 pinned.append(key)
                 sources.append(self._first.name)
         if len(pinned) < len(keys):
-            promoted, promoted_from = self._first_tier.promote(keys[len(pinned) :], nbytes)
+            promoted, promoted_from = self._first_tier.promote(keys[len(pinned) :], ns.chunk_bytes)
             self._checksummer.submit(promoted)
             pinned += promoted
             sources += promoted_from
@@ -48,7 +65,7 @@ class LoadPath(CacheCore):
         if not pinned:
             return LeasedSlots(None)
         with self._lock:
-            lease_id = self._sessions.grant(pinned, session_id, deadline)
+            lease_id = self._sessions.grant(pinned, session_id, deadline, ns.tenant, len(keys))
             slots = [self._index.slot_of(k) for k in pinned]
         for slot, name in zip(slots, sources):
             self.metrics.bytes_read.labels(tier=name).inc(slot.length)

@@ -19,8 +19,9 @@ to delete goes back into the index. So every chunk a tier counts stays evictable
 Faults: every call to a tier goes through its ``CircuitBreaker``. After a failure or a
 timeout (or a lookup-sized call hung past ``TierPolicy.slow_call_s``) the tier is skipped:
 lookups and loads treat it as a miss, demotion moves on to the next tier, write-through and
-deletes leave it alone. After the backoff one call probes it (a request's, or the probe the
-maintenance thread starts, so a tier comes back without traffic); when a tier comes back from
+deletes leave it alone. After the backoff one call probes it, always on a thread of its own
+(started by the maintenance thread, so a tier comes back without traffic, or by a caller
+that found the tier skipped, which does not wait for it); when a tier comes back from
 an outage, or when its ``generation`` changed (a Redis restarted between two calls), its
 index and accounting are rebuilt in the background from what the tier holds
 (``Tier.rescan``), so a Redis that restarted empty (or with an older snapshot) is not
@@ -82,6 +83,8 @@ class LowerTierManager:
         self._metrics.breaker_state.labels(tier=tier.name).set_function(
             lambda: STATE_CODES[breaker.state]
         )
+        refused = self._metrics.tier_errors.labels(tier=tier.name, kind="refused")
+        tier.on_refused = refused.inc  # writes the backend refused for memory (Redis -OOM)
         return LowerTierState(tier, policy, OrderedDict(tier.scan()), breaker, tier.generation)
 
     @property
@@ -257,10 +260,16 @@ class LowerTierManager:
     ) -> T | D:
         """``fn(*args)`` on the tier through its breaker; ``default`` when skipped or failed.
 
-        A batch (``put_many``, ``read_many_into``) reports failures per item instead of
-        raising: one whose every item failed, none as corrupted, is a failure of the tier."""
-        if not lt.breaker.allow():
+        A caller's call is skipped unless the breaker is closed; once the backoff is over it
+        starts the probe in the background and still answers at once (a miss), so no caller
+        waits on a tier that may still hang. A batch (``put_many``, ``read_many_into``)
+        reports failures per item instead of raising: one whose every item failed, none as
+        corrupted, is a failure of the tier."""
+        allowed = lt.breaker.allow_probe() if op == "probe" else lt.breaker.allow()
+        if not allowed:
             self._metrics.tier_skips.labels(tier=lt.tier.name, op=op).inc()
+            if op != "probe":
+                self._probe_soon(lt)
             return default
         try:
             if op in _QUICK_OPS:
@@ -286,16 +295,21 @@ class LowerTierManager:
         """Probe each tier marked down whose backoff is over, on a thread of its own, so a
         tier comes back (and its index is resynced) without waiting for traffic."""
         for lt in self._tiers:
-            if lt.breaker.state != "open" or not lt.breaker.may_allow():
-                continue
-            with self._lock:
-                if lt.tier.name in self._probing:
-                    continue
-                self._probing.add(lt.tier.name)
-            threading.Thread(
-                target=self._probe, args=(lt,), name=f"lmcache-svc-probe-{lt.tier.name}",
-                daemon=True,
-            ).start()  # fmt: skip
+            self._probe_soon(lt)
+
+    def _probe_soon(self, lt: LowerTierState) -> None:
+        """Start the tier's probe on a thread of its own if its backoff is over (one probe
+        at a time): callers and the maintenance thread ask, neither waits."""
+        if not lt.breaker.probe_due():
+            return
+        with self._lock:
+            if lt.tier.name in self._probing:
+                return
+            self._probing.add(lt.tier.name)
+        threading.Thread(
+            target=self._probe, args=(lt,), name=f"lmcache-svc-probe-{lt.tier.name}",
+            daemon=True,
+        ).start()  # fmt: skip
 
     def _probe(self, lt: LowerTierState) -> None:
         try:

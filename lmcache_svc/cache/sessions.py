@@ -2,7 +2,8 @@
 
 A session is a client's stream; when it ends, everything it holds is given back at once.
 A lease pins a run of chunks for a reader until it is released, its deadline passes or its
-session ends. A reservation (a not-ready entry in the chunk index, owned by a session) that
+session ends; each tenant's leases are bounded (``quotas.LeaseQuota``). A reservation (a
+not-ready entry in the chunk index, owned by a session) that
 passes its deadline is quarantined (``ChunkIndex.quarantine``: its writer may still be
 writing into the slot, so the slot is not reused) until its owner commits or aborts it or
 its session ends; aborting (freeing) is the cache's (the store side), passed in as
@@ -21,6 +22,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from lmcache_svc.cache.chunk_index import ChunkIndex
+from lmcache_svc.cache.quotas import LeaseQuota
 from lmcache_svc.cache.settings import CacheSettings
 from lmcache_svc.errors import InvalidArgument
 from lmcache_svc.keys import ChunkKey
@@ -32,6 +34,7 @@ class Lease:
     keys: list[ChunkKey]
     session_id: str | None
     deadline: float
+    tenant: str
 
 
 class Sessions:
@@ -53,6 +56,7 @@ class Sessions:
         self._abort = abort
         self._leases: dict[str, Lease] = {}
         self._sessions: set[str] = set()
+        self._quota = LeaseQuota(settings.max_tenant_leases, settings.max_tenant_leased_chunks)
 
     # -- sessions --------------------------------------------------------------------------
 
@@ -81,11 +85,32 @@ class Sessions:
 
     # -- leases ----------------------------------------------------------------------------
 
-    def grant(self, keys: list[ChunkKey], session_id: str | None, deadline: float) -> str:
-        """A new lease on ``keys`` (already pinned); returns its id."""
+    def charge_lease(self, tenant: str, session_id: str | None, num_chunks: int) -> None:
+        """Charge a load about to pin up to ``num_chunks`` chunks to its tenant's lease quota
+        (``quotas.LeaseQuota``: ``LeaseLimit`` over it); ``grant`` or ``uncharge_lease``
+        settles it."""
+        with self._lock:
+            self._quota.take(tenant, session_id is None, num_chunks)
+
+    def uncharge_lease(self, tenant: str, session_id: str | None, num_chunks: int) -> None:
+        """The load charged ``num_chunks`` pinned nothing: no lease."""
+        with self._lock:
+            self._quota.give(tenant, session_id is None, 1, num_chunks)
+
+    def grant(
+        self,
+        keys: list[ChunkKey],
+        session_id: str | None,
+        deadline: float,
+        tenant: str,
+        charged: int,
+    ) -> str:
+        """A new lease on ``keys`` (already pinned), for a load charged ``charged`` chunks of
+        ``tenant``'s quota (what it did not pin is given back); returns its id."""
         lease_id = secrets.token_hex(12)
         with self._lock:
-            self._leases[lease_id] = Lease(keys, session_id, deadline)
+            self._quota.give(tenant, session_id is None, 0, charged - len(keys))
+            self._leases[lease_id] = Lease(keys, session_id, deadline, tenant)
             self._metrics.active_leases.set(len(self._leases))
         return lease_id
 
@@ -96,6 +121,7 @@ class Sessions:
                 return False
             for key in lease.keys:
                 self._unpin(key)
+            self._quota.give(lease.tenant, lease.session_id is None, 1, len(lease.keys))
             self._metrics.active_leases.set(len(self._leases))
         return True
 

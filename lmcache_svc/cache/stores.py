@@ -3,7 +3,8 @@
 writer's ``renew_store``; and ``delete`` from every tier.
 
 A reservation is owned by a session (or a session-less caller) and has a deadline; one
-owner holds at most ``max_reserved_fraction`` of the first tier. Past its deadline a
+owner holds at most ``max_reserved_fraction`` of the first tier, one tenant at most
+``max_tenant_reserved_fraction`` (``quotas.py``). Past its deadline a
 reservation is quarantined, never reused while its writer may still write: a late commit
 publishes nothing (it answers 0 and frees the slot). A commit queues the chunks' checksums
 and write-through copies and wakes maintenance above the high watermark.
@@ -18,7 +19,7 @@ from collections.abc import Sequence
 from lmcache_svc.cache.chunk_index import Entry
 from lmcache_svc.cache.core import CacheCore
 from lmcache_svc.cache.values import PreparedStore, StoreStatus
-from lmcache_svc.errors import ReservationExpired, ReservationLimit, SizeMismatch
+from lmcache_svc.errors import ReservationExpired, SizeMismatch
 from lmcache_svc.keys import ChunkHash, ChunkKey, make_chunk_keys
 from lmcache_svc.tiers.base import Buffer, Slot
 
@@ -33,33 +34,26 @@ class StorePath(CacheCore):
         ttl_s: float | None = None,
     ) -> list[PreparedStore]:
         keys = self._keys(namespace_id, chunk_hashes)
-        nbytes = self.namespace(namespace_id).chunk_bytes
+        ns = self.namespace(namespace_id)
+        nbytes = ns.chunk_bytes
         s = self.settings
         deadline = self._sessions.deadline(ttl_s, s.reservation_ttl_s, s.max_reservation_ttl_s)
-        self._check_reservation_limit(session_id, len(keys), nbytes)
-        out: list[PreparedStore] = []
-        for key, h in zip(keys, chunk_hashes):
-            status, slot = self._reserve(key, nbytes, session_id, deadline)
-            out.append(PreparedStore(ChunkHash(bytes(h)), status, slot))
+        charged = len(keys) * nbytes
+        with self._lock:  # the session's and the tenant's shares (quotas.py)
+            self._reservations.charge(session_id, ns.tenant, charged, nbytes)
+        try:
+            out: list[PreparedStore] = []
+            for key, h in zip(keys, chunk_hashes):
+                status, slot = self._reserve(key, nbytes, session_id, deadline, ns.tenant)
+                out.append(PreparedStore(ChunkHash(bytes(h)), status, slot))
+        finally:
+            with self._lock:
+                self._reservations.settle(session_id, ns.tenant, charged)
         self._update_pending()
         return out
 
-    def _check_reservation_limit(self, owner: str | None, num: int, chunk_bytes: int) -> None:
-        """An owner holds at most its share of the first tier reserved (one chunk always)."""
-        limit = int(self.settings.max_reserved_fraction * self._first.capacity_bytes)
-        nbytes = num * chunk_bytes
-        with self._lock:
-            held = self._index.owned_bytes(owner)
-        if held + nbytes > max(limit, chunk_bytes):
-            who = f"session {owner!r}" if owner else "session-less callers"
-            raise ReservationLimit(
-                f"{who} would hold {held + nbytes} bytes reserved (expired reservations not "
-                f"yet committed or aborted included); the limit is {limit} bytes "
-                f"(cache.max_reserved_fraction of the first tier): commit or abort first"
-            )
-
     def _reserve(
-        self, key: ChunkKey, nbytes: int, owner: str | None, deadline: float
+        self, key: ChunkKey, nbytes: int, owner: str | None, deadline: float, tenant: str
     ) -> tuple[StoreStatus, Slot | None]:
         with self._lock:
             if self._index.readable(key):
@@ -69,7 +63,7 @@ class StorePath(CacheCore):
                 return "in_progress", None
             if self._lower.local_tier(key) is not None:
                 return "already_stored", None
-        slot = self._first_tier.allocate(key, nbytes, owner, deadline)
+        slot = self._first_tier.allocate(key, nbytes, owner, deadline, tenant)
         return ("reserved", slot) if slot is not None else ("no_space", None)
 
     def commit_store(

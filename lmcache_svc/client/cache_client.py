@@ -170,7 +170,7 @@ class CacheClient(MemoryCalls):
         session = self._session
         ns = self._namespaces.get(bytes(namespace_id))
         if self._local_lookup and session is not None and session.alive and ns is not None:
-            local = answer_locally(session.indexes, ns.tenant, chunk_hashes)
+            local = answer_locally(session.indexes, ns.tenant, namespace_id, chunk_hashes)
             if local is not None:
                 self._reports.count(namespace_id, len(chunk_hashes), local.num_hit_chunks)
                 return local

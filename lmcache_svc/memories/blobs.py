@@ -1,55 +1,75 @@
 """Where memory blobs live: in RAM, or in a directory that survives a restart.
 
-Both hold bytes per (tenant, memory id) and know nothing of capacity or format; ``MemoryStore``
-(``store.py``) decides. The directory layout is ``<path>/t-<tenant as hex>/<memory id>.safetensors``
-(a tenant name never becomes a path component as is); a blob is written to ``<path>/tmp/``,
-fsynced, and renamed into place, so a crash leaves either the old state or the new, never a
-torn file. ``scan`` lists what a previous run left, reading only each file's header.
+Both hold bytes per (tenant, memory id) with the checksum taken when they were stored
+(``integrity.py``), and know nothing of capacity or format; ``MemoryStore`` (``store.py``)
+decides. The directory layout is
+``<path>/t-<tenant as hex>/<memory id>.<xxh3-64 as 16 hex>.safetensors`` (a tenant name never
+becomes a path component as is): the checksum is part of the name, so it is written in the
+same atomic rename as the bytes and can never disagree with them after a crash. A blob is
+written to ``<path>/tmp/``, fsynced, and renamed into place (then the directory fsynced),
+so a crash leaves either the old state or the new, never a torn file. A file that fails its
+checksum is moved to ``<path>/quarantine/t-<tenant as hex>/`` (kept for inspection, never
+scanned again). ``scan.py`` lists what a previous run left.
 """
 
 from __future__ import annotations
 
 import errno
+import io
 import logging
 import os
+import time
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
-from typing import Protocol
+from typing import BinaryIO, Protocol
 
-from lmcache_svc.errors import ConfigError, InvalidArgument, NoSpace, TierError
-from lmcache_svc.memories.format import MemoryInfo, header_length, parse_header
+from lmcache_svc.errors import ConfigError, NoSpace, TierError
+from lmcache_svc.memories.scan import Found, fsync_dir, scan_dir
+from lmcache_svc.tiers.base import Buffer
 
 log = logging.getLogger(__name__)
 
 SUFFIX = ".safetensors"
-_TENANT_PREFIX = "t-"
+TENANT_PREFIX = "t-"
+QUARANTINE_DIR = "quarantine"
 
 
 class Blobs(Protocol):
-    def write(self, tenant: str, memory_id: str, blob: bytes) -> None: ...
-    def read(self, tenant: str, memory_id: str) -> bytes | None: ...
-    def remove(self, tenant: str, memory_id: str) -> None: ...
-    def scan(self) -> Iterator[tuple[str, MemoryInfo]]: ...
+    def write(self, tenant: str, memory_id: str, blob: Buffer, checksum: int) -> None: ...
+    def open(self, tenant: str, memory_id: str, checksum: int) -> BinaryIO | None: ...
+    def remove(self, tenant: str, memory_id: str, checksum: int) -> None: ...
+    def quarantine(self, tenant: str, memory_id: str, checksum: int) -> str: ...
+    def scan(self) -> list[Found]: ...
+
+    @property
+    def num_skipped(self) -> int:
+        """Files a scan found that are not memories (reported, left in place)."""
 
 
 class RamBlobs:
     """Blobs in this process's memory: gone when it exits."""
 
+    num_skipped = 0
+
     def __init__(self) -> None:
         self._blobs: dict[tuple[str, str], bytes] = {}
 
-    def write(self, tenant: str, memory_id: str, blob: bytes) -> None:
-        self._blobs[tenant, memory_id] = blob
+    def write(self, tenant: str, memory_id: str, blob: Buffer, checksum: int) -> None:
+        self._blobs[tenant, memory_id] = bytes(blob)
 
-    def read(self, tenant: str, memory_id: str) -> bytes | None:
-        return self._blobs.get((tenant, memory_id))
+    def open(self, tenant: str, memory_id: str, checksum: int) -> BinaryIO | None:
+        blob = self._blobs.get((tenant, memory_id))
+        return None if blob is None else io.BytesIO(blob)  # shares the bytes, no copy
 
-    def remove(self, tenant: str, memory_id: str) -> None:
+    def remove(self, tenant: str, memory_id: str, checksum: int) -> None:
         self._blobs.pop((tenant, memory_id), None)
 
-    def scan(self) -> Iterator[tuple[str, MemoryInfo]]:
-        return iter(())
+    def quarantine(self, tenant: str, memory_id: str, checksum: int) -> str:
+        self.remove(tenant, memory_id, checksum)
+        return "it was dropped from memory"
+
+    def scan(self) -> list[Found]:
+        return []
 
 
 class DirBlobs:
@@ -58,6 +78,7 @@ class DirBlobs:
     def __init__(self, path: Path) -> None:
         self.path = path
         self._tmp = path / "tmp"
+        self.num_skipped = 0
         try:
             self._tmp.mkdir(parents=True, exist_ok=True)
             leftovers = list(self._tmp.iterdir())
@@ -68,11 +89,14 @@ class DirBlobs:
         if leftovers:
             log.warning("memory path %s: removed %d unfinished writes", path, len(leftovers))
 
-    def _file(self, tenant: str, memory_id: str) -> Path:
-        return self.path / (_TENANT_PREFIX + tenant.encode().hex()) / (memory_id + SUFFIX)
+    def _dir(self, tenant: str) -> Path:
+        return self.path / (TENANT_PREFIX + tenant.encode().hex())
 
-    def write(self, tenant: str, memory_id: str, blob: bytes) -> None:
-        final = self._file(tenant, memory_id)
+    def _file(self, tenant: str, memory_id: str, checksum: int) -> Path:
+        return self._dir(tenant) / f"{memory_id}.{checksum:016x}{SUFFIX}"
+
+    def write(self, tenant: str, memory_id: str, blob: Buffer, checksum: int) -> None:
+        final = self._file(tenant, memory_id, checksum)
         tmp = self._tmp / f"{memory_id}-{uuid.uuid4().hex}.tmp"
         try:
             final.parent.mkdir(exist_ok=True)
@@ -81,68 +105,45 @@ class DirBlobs:
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(tmp, final)
-            _fsync_dir(final.parent)
+            fsync_dir(final.parent)
         except OSError as e:
             tmp.unlink(missing_ok=True)
             if e.errno == errno.ENOSPC:
                 raise NoSpace(f"no room for memory {memory_id}: {self.path} is full") from None
             raise TierError(f"cannot write memory {memory_id} under {self.path}: {e}") from None
 
-    def read(self, tenant: str, memory_id: str) -> bytes | None:
+    def open(self, tenant: str, memory_id: str, checksum: int) -> BinaryIO | None:
         try:
-            return self._file(tenant, memory_id).read_bytes()
+            return open(self._file(tenant, memory_id, checksum), "rb", buffering=0)
         except FileNotFoundError:
             return None
         except OSError as e:
             raise TierError(f"cannot read memory {memory_id} under {self.path}: {e}") from None
 
-    def remove(self, tenant: str, memory_id: str) -> None:
-        file = self._file(tenant, memory_id)
+    def remove(self, tenant: str, memory_id: str, checksum: int) -> None:
+        file = self._file(tenant, memory_id, checksum)
         try:
             file.unlink(missing_ok=True)
-            _fsync_dir(file.parent)
+            fsync_dir(file.parent)
         except OSError as e:
             raise TierError(f"cannot delete memory {memory_id} under {self.path}: {e}") from None
 
-    def scan(self) -> Iterator[tuple[str, MemoryInfo]]:
-        for tenant_dir in sorted(self.path.glob(_TENANT_PREFIX + "*")):
-            tenant = _tenant_of(tenant_dir.name)
-            if tenant is None:
-                log.warning("memory path: ignoring %s (not a tenant directory)", tenant_dir)
-                continue
-            for file in sorted(tenant_dir.glob("*" + SUFFIX)):
-                info = _read_info(file)
-                if info is not None:
-                    yield tenant, info
+    def quarantine(self, tenant: str, memory_id: str, checksum: int) -> str:
+        file = self._file(tenant, memory_id, checksum)
+        stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime())
+        dest = self.path / QUARANTINE_DIR / file.parent.name / f"{file.name}.{stamp}"
+        try:
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            os.replace(file, dest)
+        except FileNotFoundError:
+            return "its file was already gone"
+        except OSError as e:
+            log.error("memory %s: cannot move %s aside (%s); removing it", memory_id, file, e)
+            file.unlink(missing_ok=True)
+            return f"its file {file} was removed (it could not be moved aside: {e})"
+        return f"its file was moved to {dest}"
 
-
-def _tenant_of(dir_name: str) -> str | None:
-    try:
-        return bytes.fromhex(dir_name.removeprefix(_TENANT_PREFIX)).decode()
-    except (ValueError, UnicodeDecodeError):
-        return None
-
-
-def _read_info(file: Path) -> MemoryInfo | None:
-    """The file's ``MemoryInfo`` from its header, or None (logged) if it is not a memory."""
-    try:
-        with open(file, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
-            prefix = f.read(8)
-            head = prefix + f.read(header_length(prefix, size))
-        info = parse_header(head, size)
-    except (OSError, InvalidArgument) as e:
-        log.warning("memory path: ignoring %s: %s", file, e)
-        return None
-    if file.name != info.memory_id + SUFFIX:
-        log.warning("memory path: ignoring %s: it holds memory %s", file, info.memory_id)
-        return None
-    return info
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    def scan(self) -> list[Found]:
+        found = scan_dir(self.path, TENANT_PREFIX, SUFFIX, self._file)
+        self.num_skipped = found.num_skipped
+        return found.memories

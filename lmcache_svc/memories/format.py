@@ -7,6 +7,13 @@ relative to the data; the entries must tile the data exactly (no gap, no overlap
 after), as the safetensors library itself requires. ``__metadata__`` (str -> str) must hold
 ``lmcache_svc.memory_format`` = "1", ``memory_id`` (a canonical lowercase UUID), ``model``
 (non-empty) and ``metadata`` (a JSON object, as a string).
+
+Parsing is bounded, since a header comes from a client or from a file on disk: the prefix's
+length is checked against ``MAX_HEADER_BYTES`` before anything is decoded; integers longer
+than ``MAX_INT_DIGITS`` digits, ``NaN``/``Infinity`` and floats that overflow are refused as
+the JSON is read (so the item metadata a server returns is always standard JSON); nesting
+past the interpreter's recursion limit is refused, not raised; a header may describe at most
+``MAX_TENSORS`` tensors. Every refusal is ``BadMemory`` naming the problem.
 """
 
 from __future__ import annotations
@@ -23,8 +30,14 @@ from lmcache_svc.errors import BadMemory, InvalidArgument
 FORMAT_KEY = "lmcache_svc.memory_format"
 FORMAT_VERSION = "1"
 REQUIRED_KEYS = (FORMAT_KEY, "memory_id", "model", "metadata")
-MAX_HEADER_BYTES = 100_000_000
-"""The safetensors library's own limit on the JSON header."""
+MAX_TENSORS = 2048
+"""Tensors one memory may hold: a memory has two per layer (keys, values) and ``token_ids``,
+so this is 1,023 layers, eight times the deepest public models (about 126 layers)."""
+MAX_HEADER_BYTES = 1 << 20
+"""The JSON header's limit (the safetensors library allows 100 MB): ``MAX_TENSORS`` entries
+take about 120 bytes each (250 KiB), which leaves the item metadata about 750 KiB."""
+MAX_INT_DIGITS = 20
+"""Longest integer in a header or in item metadata: any uint64 (offsets, shapes)."""
 PREFIX_BYTES = 8
 
 DTYPE_BYTES: dict[str, int] = {
@@ -97,17 +110,65 @@ def _reject_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return out
 
 
+def _bounded_int(text: str) -> int:
+    if len(text.lstrip("-")) > MAX_INT_DIGITS:
+        raise BadMemory(
+            f"an integer of {len(text.lstrip('-'))} digits; at most {MAX_INT_DIGITS} are allowed"
+        )
+    return int(text)
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise BadMemory(f"number {text[:40]} is out of range (not a finite float)")
+    return value
+
+
+def _no_constant(name: str) -> Any:
+    raise BadMemory(f"{name} is not standard JSON")
+
+
+def bounded_json(text: str, *, what: str, expected: str = "JSON", **hooks: Any) -> Any:
+    """``json.loads`` with the bounds of this module; ``BadMemory`` naming ``what``."""
+    try:
+        return json.loads(
+            text,
+            parse_int=_bounded_int,
+            parse_float=_finite_float,
+            parse_constant=_no_constant,
+            **hooks,
+        )
+    except BadMemory as e:
+        raise BadMemory(f"{what}: {e}") from None
+    except RecursionError:
+        raise BadMemory(f"{what} is nested too deeply") from None
+    except ValueError as e:  # JSONDecodeError, or anything else the decoder refuses
+        raise BadMemory(f"{what} is not {expected} ({e})") from None
+
+
 def _load_json(raw: bytes) -> dict[str, Any]:
     try:
-        header = json.loads(raw.decode("utf-8"), object_pairs_hook=_reject_duplicates)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
         raise BadMemory(f"not safetensors: the header is not UTF-8 JSON ({e})") from None
+    header = bounded_json(
+        text,
+        what="not safetensors: the header",
+        expected="UTF-8 JSON",
+        object_pairs_hook=_reject_duplicates,
+    )
     if not isinstance(header, dict):
         raise BadMemory("not safetensors: the header is not a JSON object")
     return header
 
 
 def _check_tensors(header: dict[str, Any], data_bytes: int) -> None:
+    if len(header) > MAX_TENSORS:
+        raise BadMemory(
+            f"the header describes {len(header)} tensors; at most {MAX_TENSORS} are allowed "
+            "(two per layer and token_ids: see docs/memories.md)"
+        )
     spans = sorted((_tensor_span(name, entry), name) for name, entry in header.items())
     offset = 0
     for (begin, end), name in spans:
@@ -169,10 +230,7 @@ def _memory_info(metadata: Any, total_bytes: int) -> MemoryInfo:
 
 
 def _item_metadata(raw: str) -> dict[str, Any]:
-    try:
-        value = json.loads(raw)
-    except json.JSONDecodeError as e:
-        raise BadMemory(f"__metadata__.metadata is not JSON ({e})") from None
+    value = bounded_json(raw, what="__metadata__.metadata")
     if not isinstance(value, dict):
         raise BadMemory("__metadata__.metadata must be a JSON object")
     return value

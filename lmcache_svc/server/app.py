@@ -96,6 +96,7 @@ def build_memory_store(config: Config) -> MemoryStore:
         capacity_bytes=int(m.capacity),
         max_bytes=int(m.max_bytes),
         path=m.resolved_path(config.ssd.path),
+        max_transfers=m.max_transfers,
     )
 
 
@@ -149,13 +150,11 @@ class Service:
         self._stop.set()
 
     def reload_tokens(self) -> None:
-        """SIGHUP: re-read the tokens file now (a bad file is logged; old tokens stay)."""
-        if self.auth is None:
-            return
-        try:
-            self.auth.reload()
-        except ConfigError as e:
-            log.error("keeping the previous tokens: %s", e)
+        """SIGHUP: re-read the tokens file soon, on a thread of its own (never on the event
+        loop; a burst of signals makes at most one reload after the one running; a bad file
+        is logged and the old tokens stay)."""
+        if self.auth is not None:
+            self.auth.request_reload()
 
     async def run(self) -> None:
         cfg = self.config

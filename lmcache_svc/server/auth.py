@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from lmcache_svc.errors import PermissionDenied, Unauthenticated, UnknownNamespace
 from lmcache_svc.keys import Namespace
@@ -28,6 +28,10 @@ class Principal:
     tenant: str | None
     admin: bool = False
     read_only: bool = False
+    token_id: bytes | None = field(default=None, compare=False, repr=False)
+    """The SHA-256 of the token from the tokens file that this principal came from (None for
+    the config's ``auth_token`` and with authentication off): its sessions end when a reload
+    revokes it."""
 
     def may_use(self, tenant: str) -> bool:
         return self.tenant is None or self.tenant == tenant

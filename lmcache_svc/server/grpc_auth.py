@@ -55,7 +55,8 @@ _CACHE_POLICIES: dict[str, _Policy] = {
     "RegisterNamespace": _Policy(_register),
     "OpenSession": _Policy(note_caller),  # its lookup-index tables: the caller's tenant
     "Lookup": _Policy(_own_namespace_id),
-    "ReportLookups": _Policy(_own_namespace_id),  # the lookups it answered from the index
+    # the lookups it answered from the index; a read-only token's are not counted
+    "ReportLookups": _Policy(_own_namespace_id, write=True),
     "PrepareStore": _Policy(_own_namespace_id, write=True),
     "CommitStore": _Policy(_own_namespace_id, write=True),
     "PrepareLoad": _Policy(_own_namespace_id),

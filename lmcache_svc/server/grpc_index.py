@@ -25,6 +25,11 @@ def note_caller(principal: Principal, cache: TieredCache, request: Any) -> None:
     _CALLER.set(principal)
 
 
+def session_caller() -> Principal | None:
+    """Who opens the current OpenSession (None: authentication is off)."""
+    return _CALLER.get()
+
+
 def index_segments(cache: TieredCache) -> list[pb.Segment]:
     """The index segments of the current OpenSession's caller (none without an index)."""
     publisher = cache.lookup_index

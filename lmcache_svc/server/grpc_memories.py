@@ -1,19 +1,26 @@
 """The gRPC MemoryService: named memories over the same server as CacheService.
 
-A thin adapter to ``MemoryStore`` calls, which may touch the disk and so run in threads.
-Every call acts for the caller's tenant (``tenancy.py``). Errors are reported like
-CacheService's: a status code plus the error kind in trailing metadata.
+A thin adapter to ``MemoryStore`` calls; every store call (lists included) runs in a
+thread, never on the event loop, since it may touch the disk or wait for the store's lock.
+Every call acts for the caller's tenant (``tenancy.py``). ``GetMemory`` streams the verified
+blob in pieces read from the store one at a time (a read holds one piece, not the blob); a
+memory whose bytes changed after they were verified ends the stream with ``DATA_LOSS``.
+Reads and uploads in flight are capped (``memory.max_transfers``: ``RESOURCE_EXHAUSTED``).
+Errors are reported like CacheService's: a status code plus the error kind in trailing
+metadata.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import grpc
 
 from lmcache_svc.errors import InvalidArgument, LMCacheSvcError, PayloadTooLarge
+from lmcache_svc.memories.format import PREFIX_BYTES, header_length
+from lmcache_svc.memories.integrity import MemoryRead
 from lmcache_svc.memories.store import MemoryStore
 from lmcache_svc.metrics import Metrics
 from lmcache_svc.server.grpc_calls import unary_rpc
@@ -40,11 +47,21 @@ class MemoryServicer(pb_grpc.MemoryServiceServicer):
     async def PutMemory(
         self, request_iterator: AsyncIterator[pb.MemoryPart], context: grpc.aio.ServicerContext
     ) -> pb.PutMemoryResponse:
-        blob = await self._receive_blob(request_iterator)
-        info, created = await asyncio.to_thread(self._store.put, self._tenant(context), blob)
+        releases: list[Callable[[], None]] = []
+        try:
+            blob = await self._receive_blob(request_iterator, releases)
+            info, created = await asyncio.to_thread(self._store.put, self._tenant(context), blob)
+        finally:
+            for release in releases:
+                release()
         return pb.PutMemoryResponse(memory=memory_info_to_pb(info), created=created)
 
-    async def _receive_blob(self, request_iterator: AsyncIterator[pb.MemoryPart]) -> bytearray:
+    async def _receive_blob(
+        self, request_iterator: AsyncIterator[pb.MemoryPart], releases: list[Callable[[], None]]
+    ) -> bytearray:
+        """The uploaded blob; the upload counts as a transfer from its header on. A blob
+        whose 8-byte prefix announces a header over the limit is refused as soon as the
+        prefix arrives, not after the whole blob."""
         length: int | None = None
         blob = bytearray()
         async for part in request_iterator:
@@ -57,12 +74,16 @@ class MemoryServicer(pb_grpc.MemoryServiceServicer):
                         f"memory of {length} bytes is over memory.max_bytes "
                         f"({self._store.max_bytes})"
                     )
+                releases.append(self._store.transfer("an upload of a memory"))
             elif length is None:
                 raise InvalidArgument("PutMemory stream sent data before its header")
             else:
+                checked = len(blob) >= PREFIX_BYTES
                 blob += part.data
                 if len(blob) > length:
                     raise InvalidArgument(f"memory data runs past its header's {length} bytes")
+                if not checked and len(blob) >= PREFIX_BYTES:
+                    header_length(bytes(blob[:PREFIX_BYTES]), length)
         if length is None or len(blob) != length:
             raise InvalidArgument(f"PutMemory stream ended after {len(blob)} of {length} bytes")
         return blob
@@ -74,13 +95,17 @@ class MemoryServicer(pb_grpc.MemoryServiceServicer):
         code = grpc.StatusCode.OK
         try:
             tenant = self._tenant(context)
-            blob = await asyncio.to_thread(self._store.get, tenant, request.memory_id)
-            if blob is None:
+            read = await asyncio.to_thread(self._store.open, tenant, request.memory_id)
+            if read is None:
                 yield pb.MemoryPart(header=pb.MemoryHeader(found=False))
                 return
-            yield pb.MemoryPart(header=pb.MemoryHeader(length=len(blob), found=True))
-            for i in range(0, len(blob), PIECE_BYTES):
-                yield pb.MemoryPart(data=blob[i : i + PIECE_BYTES])
+            try:
+                yield pb.MemoryPart(header=pb.MemoryHeader(length=read.size, found=True))
+                pieces = read.pieces(PIECE_BYTES)
+                while (piece := await asyncio.to_thread(next, pieces, None)) is not None:
+                    yield pb.MemoryPart(data=piece)
+            finally:
+                _close_soon(read)
         except LMCacheSvcError as e:
             code = grpc_code(e)
             self._metrics.errors.labels(kind=e.kind).inc()
@@ -98,7 +123,7 @@ class MemoryServicer(pb_grpc.MemoryServiceServicer):
     async def ListMemories(
         self, request: pb.ListMemoriesRequest, context: grpc.aio.ServicerContext
     ) -> pb.ListMemoriesResponse:
-        infos = self._store.list(self._tenant(context))
+        infos = await asyncio.to_thread(self._store.list, self._tenant(context))
         return pb.ListMemoriesResponse(memories=[memory_info_to_pb(i) for i in infos])
 
     @unary_rpc
@@ -109,6 +134,15 @@ class MemoryServicer(pb_grpc.MemoryServiceServicer):
             self._store.delete, self._tenant(context), request.memory_id
         )
         return pb.DeleteMemoryResponse(deleted=deleted)
+
+
+def _close_soon(read: MemoryRead) -> None:
+    """Close ``read`` in a thread: a cancelled call may still have a piece being read, which
+    ``close`` waits for (never on the event loop)."""
+    try:
+        asyncio.get_running_loop().run_in_executor(None, read.close)
+    except RuntimeError:  # the loop's executor is shut down: nothing is reading any more
+        read.close()
 
 
 def add_memory_service(

@@ -94,6 +94,7 @@ def create_app(
     if memories is not None:
         bearer = [Depends(HTTPBearer(auto_error=False))] if auth is not None else []
         add_memory_routes(app, memories, dependencies=bearer)
+        cache.metrics.watch_memories(memories.usage)
     app.add_exception_handler(LMCacheSvcError, on_service_error)
     app.add_exception_handler(RequestValidationError, on_validation_error)
     app.add_exception_handler(HTTPException, on_http_error)

@@ -84,16 +84,24 @@ def content_length(headers: Headers) -> int | None:
 
 
 async def read_body(
-    request: Request, limit: int, too_long: Callable[[str], LMCacheSvcError]
+    request: Request,
+    limit: int,
+    too_long: Callable[[str], LMCacheSvcError],
+    check_prefix: tuple[int, Callable[[bytes], object]] | None = None,
 ) -> bytearray:
     """The whole request body, refused with ``too_long(what was read)`` as soon as it
-    exceeds ``limit`` bytes; a client gone mid-body is an ``InvalidArgument``."""
+    exceeds ``limit`` bytes; a client gone mid-body is an ``InvalidArgument``.
+    ``check_prefix`` (n, check): ``check`` sees the body's first n bytes as soon as they
+    arrive (and may raise), before the rest is read."""
     body = bytearray()
     try:
         async for part in request.stream():
+            checked = check_prefix is None or len(body) >= check_prefix[0]
             body += part
             if len(body) > limit:
                 raise too_long(f"at least {len(body)} bytes")
+            if not checked and check_prefix is not None and len(body) >= check_prefix[0]:
+                check_prefix[1](bytes(body[: check_prefix[0]]))
     except ClientDisconnect:
         raise InvalidArgument("the client went away before sending the whole body") from None
     return body

@@ -2,23 +2,28 @@
 ``create_app`` when it is given a ``MemoryStore``.
 
 Every call acts for the caller's tenant (``tenancy.py``). A memory is created from its raw
-safetensors bytes (``application/octet-stream``) and read back as the same bytes. Ids in
-paths are plain strings checked by the store, so a malformed one is our 400. Endpoints,
-statuses and curl examples are in ``docs/rest.md``.
+safetensors bytes (``application/octet-stream``) and read back as the same bytes, streamed
+from the store a piece at a time after they were verified (``MemoryStore.open``), so a read
+holds one piece, never the blob; reads and uploads in flight are capped
+(``memory.max_transfers``: 429 beyond). Ids in paths are plain strings checked by the store,
+so a malformed one is our 400. Store calls that touch the disk run in the thread pool.
+Endpoints, statuses and curl examples are in ``docs/rest.md``.
 """
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
 from typing import Annotated, Any
 
 from fastapi import Depends, FastAPI, Path, Request, Response
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, Field
 from pydantic.json_schema import JsonDict
 from starlette.concurrency import run_in_threadpool
 
 from lmcache_svc.errors import NotFound, PayloadTooLarge
-from lmcache_svc.memories.format import MemoryInfo
+from lmcache_svc.memories.format import PREFIX_BYTES, MemoryInfo, header_length
+from lmcache_svc.memories.integrity import CHECK_PIECE_BYTES, MemoryRead
 from lmcache_svc.memories.store import MemoryStore
 from lmcache_svc.server.http_edge import content_length, principal, read_body
 from lmcache_svc.server.http_models import BINARY_CONTENT, OCTET_STREAM, error_responses
@@ -73,12 +78,19 @@ MemoryId = Annotated[
 ]
 
 
-async def _memory_body(request: Request, store: Store) -> bytearray:
-    """The request body, refused as soon as it is known to exceed ``memory.max_bytes``."""
+async def _memory_body(request: Request, store: Store) -> AsyncIterator[bytearray]:
+    """The request body, refused as soon as it is known to exceed ``memory.max_bytes``; an
+    upload counts as a transfer in flight until its request is answered."""
     declared = content_length(request.headers)
     if declared is not None and declared > store.max_bytes:
         raise _too_large(f"{declared} bytes (Content-Length)", store.max_bytes)
-    return await read_body(request, store.max_bytes, lambda got: _too_large(got, store.max_bytes))
+    release = store.transfer("an upload of a memory")
+    try:  # a prefix announcing a header over the limit is refused before the rest arrives
+        prefix = (PREFIX_BYTES, lambda head: header_length(head, declared or store.max_bytes))
+        too_large = lambda got: _too_large(got, store.max_bytes)  # noqa: E731
+        yield await read_body(request, store.max_bytes, too_large, prefix)
+    finally:
+        release()
 
 
 def _too_large(got: str, limit: int) -> PayloadTooLarge:
@@ -97,11 +109,26 @@ def list_memories(store: Store, tenant: Tenant) -> MemoryListResponse:
     return MemoryListResponse(memories=[MemoryModel.of(i) for i in store.list(tenant)])
 
 
-def get_memory(store: Store, tenant: Tenant, memory_id: MemoryId) -> Response:
-    blob = store.get(tenant, memory_id)
-    if blob is None:
+async def get_memory(store: Store, tenant: Tenant, memory_id: MemoryId) -> Response:
+    read = await run_in_threadpool(store.open, tenant, memory_id)
+    if read is None:
         raise _missing(memory_id)
-    return Response(blob, media_type=OCTET_STREAM)
+    return StreamingResponse(
+        _stream(read), media_type=OCTET_STREAM, headers={"Content-Length": str(read.size)}
+    )
+
+
+async def _stream(read: MemoryRead) -> AsyncIterator[bytes]:
+    """The verified blob, one piece at a time, each read in the thread pool. Bytes that
+    changed since ``open`` verified them end the stream with ``MemoryCorrupted`` after the
+    last piece: the response is cut short (the client sees fewer bytes than Content-Length),
+    never completed."""
+    pieces = read.pieces(CHECK_PIECE_BYTES)
+    try:
+        while (piece := await run_in_threadpool(next, pieces, None)) is not None:
+            yield piece
+    finally:
+        read.close()
 
 
 def head_memory(store: Store, tenant: Tenant, memory_id: MemoryId) -> Response:
@@ -131,7 +158,7 @@ _ROUTES: list[tuple[str, str, Any, dict[str, Any]]] = [
             "response_model": MemoryModel,
             "responses": {
                 200: {"model": MemoryModel, "description": "Already stored with these bytes"},
-                **error_responses(400, 409, 413, 507),
+                **error_responses(400, 409, 413, 429, 507),
             },
             "openapi_extra": {"requestBody": {"required": True, "content": BINARY_CONTENT}},
         },
@@ -146,7 +173,7 @@ _ROUTES: list[tuple[str, str, Any, dict[str, Any]]] = [
             "response_class": Response,
             "responses": {
                 200: {"content": BINARY_CONTENT, "description": "The blob as stored"},
-                **error_responses(400, 404),
+                **error_responses(400, 404, 429, 500),
             },
         },
     ),

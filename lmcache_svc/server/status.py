@@ -18,6 +18,9 @@ Choices worth knowing:
   is full (``cache.max_namespaces``); already registered namespaces keep working.
 - ``TierError`` (and ``Corrupted``) is ``UNAVAILABLE`` / 503.
 - ``Conflict`` is ``ALREADY_EXISTS`` / 409: a memory id already stored with other bytes.
+- ``MemoryCorrupted`` is ``DATA_LOSS`` / 500: a stored memory failed its checksum; it is
+  quarantined (a retry finds no such memory), so not 503, which clients retry.
+- ``TooBusy`` is ``RESOURCE_EXHAUSTED`` / 429: too many memory transfers at once; retry.
 """
 
 from __future__ import annotations
@@ -29,12 +32,14 @@ from lmcache_svc.errors import (
     Conflict,
     InvalidArgument,
     LMCacheSvcError,
+    MemoryCorrupted,
     NoSpace,
     NotFound,
     PayloadTooLarge,
     PermissionDenied,
     SizeMismatch,
     TierError,
+    TooBusy,
     TooManyNamespaces,
     Unauthenticated,
     UnknownNamespace,
@@ -52,8 +57,10 @@ _TABLE: tuple[tuple[type[LMCacheSvcError], grpc.StatusCode, int], ...] = (
     (Conflict, grpc.StatusCode.ALREADY_EXISTS, 409),
     (NoSpace, grpc.StatusCode.RESOURCE_EXHAUSTED, 507),
     (TooManyNamespaces, grpc.StatusCode.RESOURCE_EXHAUSTED, 507),
+    (TooBusy, grpc.StatusCode.RESOURCE_EXHAUSTED, 429),
     (Unauthenticated, grpc.StatusCode.UNAUTHENTICATED, 401),
     (PermissionDenied, grpc.StatusCode.PERMISSION_DENIED, 403),
+    (MemoryCorrupted, grpc.StatusCode.DATA_LOSS, 500),
     (TierError, grpc.StatusCode.UNAVAILABLE, 503),
 )
 

@@ -12,9 +12,16 @@ The file is YAML (or TOML when it ends in ``.toml``)::
         token: "ops-token-000000001"
 
 Each entry has exactly one of ``token`` (at least 16 characters) and ``sha256``, and exactly
-one of ``tenant`` and ``admin: true``. The file is re-read when it changes (checked at most
-once a second, on the next request) and on SIGHUP; a file that fails to parse is logged and
-the previous tokens stay in force. See ``docs/security.md`` for rotation.
+one of ``tenant`` and ``admin: true``. The file is re-read when it changes (looked at, with
+one ``stat``, at most once a second, on the next request) and on SIGHUP. A reload never
+runs on the caller's thread (the event loop): it runs on a thread of its own, at most one at
+a time, and requests that come meanwhile (a burst of SIGHUPs, a file changing again) are
+merged into one more. Whatever is wrong with the file (missing, not a file, unreadable, not
+UTF-8, not YAML/TOML, nested too deeply, a bad or repeated entry), the previous tokens stay
+in force and it is logged once (once per change of the file, and once per SIGHUP), never
+per request. A token that a reload removes, or whose tenant or rights change, is revoked:
+the listeners (``on_revoke``: the gRPC servicer) end the sessions it opened. See
+``docs/security.md`` for rotation.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ import os
 import re
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Literal
 
@@ -75,10 +83,14 @@ class TokenEntry(BaseModel):
         )
 
     def principal(self) -> Principal:
+        digest = self.digest()
         if self.admin:
-            return ADMIN
+            return Principal(label="admin", tenant=None, admin=True, token_id=digest)
         return Principal(
-            label=f"tenant {self.tenant!r}", tenant=self.tenant, read_only=self.read_only
+            label=f"tenant {self.tenant!r}",
+            tenant=self.tenant,
+            read_only=self.read_only,
+            token_id=digest,
         )
 
 
@@ -110,8 +122,10 @@ def read_tokens_file(path: Path) -> dict[bytes, Principal]:
 class Authenticator:
     """Maps an ``Authorization`` header to a ``Principal``.
 
-    ``admin_token`` (the config's ``auth_token``) is fixed; the tokens file is re-read when
-    its modification time, size or inode changes. Thread-safe.
+    ``admin_token`` (the config's ``auth_token``) is fixed; the tokens file is read at
+    construction (``ConfigError`` if it is bad: the server does not start) and re-read, in
+    the background, when its modification time, size or inode changes and on
+    ``request_reload``. Thread-safe.
     """
 
     def __init__(self, *, admin_token: str | None = None, tokens_file: Path | None = None) -> None:
@@ -124,7 +138,13 @@ class Authenticator:
         self._lock = threading.Lock()
         self._stamp: tuple[int, int, int] | None = None
         self._next_check = 0.0
+        self._loaded: dict[bytes, Principal] = {}
         self._table = TokenTable(self._fixed)
+        self._running = False
+        self._pending = False
+        self._listeners: list[Callable[[set[bytes]], object]] = []
+        self.reloads = 0
+        """Reloads finished (good or bad) since start-up, for tests and logs."""
         if tokens_file is not None:
             self.reload()
 
@@ -136,30 +156,85 @@ class Authenticator:
             raise Unauthenticated("invalid bearer token")
         return principal
 
+    def on_revoke(self, listener: Callable[[set[bytes]], object]) -> None:
+        """Call ``listener`` (from the reload's thread) with the ``token_id`` of every token a
+        reload revoked."""
+        self._listeners.append(listener)
+
     def reload(self) -> None:
-        """Re-read the tokens file now; ``ConfigError`` (old tokens kept) if it is bad."""
+        """Re-read the tokens file now, on this thread; ``ConfigError`` (old tokens kept) if
+        it is bad. The server calls it once, at start-up; later reloads are
+        ``request_reload``'s."""
         if self._path is None:
             return
-        with self._lock:
-            stamp = _stamp(self._path)
+        stamp = _stamp(self._path)
+        try:
             table = read_tokens_file(self._path)
+        except ConfigError:
+            raise
+        except Exception as e:  # anything else wrong with the file is a bad file too
+            raise ConfigError(f"tokens file {self._path} cannot be read: {_reason(e)}") from None
+        with self._lock:
+            revoked = {d for d, p in self._loaded.items() if table.get(d) != p}
+            self._loaded = table
             self._table = TokenTable({**table, **self._fixed})
             self._stamp = stamp
         log.info("tokens file %s loaded: %d tokens", self._path, len(table))
+        if revoked:
+            log.warning("tokens file %s: %d tokens revoked", self._path, len(revoked))
+            for listener in self._listeners:
+                try:
+                    listener(revoked)
+                except Exception:  # a bug there must not undo or misreport the reload
+                    log.exception("ending the sessions of revoked tokens failed")
+
+    def request_reload(self) -> None:
+        """Re-read the file soon, on a thread of its own (SIGHUP). Never blocks: while a
+        reload runs, any number of requests make one more reload after it."""
+        if self._path is None:
+            return
+        with self._lock:
+            if self._running:
+                self._pending = True
+                return
+            self._running = True
+        threading.Thread(target=self._reload_loop, name="lmcache-svc-tokens", daemon=True).start()
+
+    def _reload_loop(self) -> None:
+        assert self._path is not None
+        while True:
+            stamp = _stamp(self._path)
+            try:
+                self.reload()
+            except Exception as e:  # the old tokens stay; said once per request or change
+                with self._lock:
+                    self._stamp = stamp  # not looked at again until it changes
+                log.error("keeping the previous tokens: %s", e)
+            with self._lock:
+                self.reloads += 1
+                if not self._pending:
+                    self._running = False
+                    return
+                self._pending = False
 
     def _maybe_reload(self) -> None:
+        """At most once a ``RECHECK_S``: one ``stat``, and a reload requested if the file
+        changed (a broken file is not looked at again until it changes)."""
         now = time.monotonic()
         if self._path is None or now < self._next_check:
             return
         self._next_check = now + RECHECK_S
-        stamp = _stamp(self._path)
-        if stamp == self._stamp:
-            return
-        try:
-            self.reload()
-        except ConfigError as e:
-            self._stamp = stamp  # log once per change, not once a second
-            log.error("keeping the previous tokens: %s", e)
+        if _stamp(self._path) != self._stamp:
+            with self._lock:
+                if self._running:  # that reload will see the change (or report it)
+                    return
+            self.request_reload()
+
+
+def _reason(error: Exception) -> str:
+    if isinstance(error, RecursionError):
+        return "it is nested too deeply"
+    return f"{type(error).__name__}: {error}"
 
 
 def _stamp(path: Path) -> tuple[int, int, int] | None:

@@ -106,6 +106,10 @@ class Tier(ABC):
     generation: int = 0
     """Changes when the medium behind the tier was replaced (a Redis that restarted between
     two calls, unnoticed by any failure): what the cache knew of its contents is stale."""
+    on_refused: Callable[[int], None] | None = None
+    """Told how many writes the backend itself refused for lack of memory (Redis ``-OOM``
+    under ``maxmemory``): such a put answers "no room" (``False``), which is not a failure,
+    so the cache (which sets this) counts them here, in ``tier_errors{kind="refused"}``."""
 
     @property
     @abstractmethod

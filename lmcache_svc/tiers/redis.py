@@ -135,10 +135,11 @@ class RedisTier(Tier):
 
     def put_many(self, items: Sequence[tuple[ChunkKey, Buffer]]) -> list[ItemResult]:
         """Per item: ``True`` written and counted, ``False`` over capacity or refused by
-        Redis for memory (``-OOM``), ``Failed`` any other refusal; only ``True`` items stay
-        counted. A batch cut off as a whole (connection lost, timeout) is ``Failed`` for
-        every item and none is counted, though Redis may hold some of them: its
-        ``maxmemory`` and TTL, and the next start-up scan, account for those."""
+        Redis for memory (``-OOM``: told to ``on_refused``), ``Failed`` any other refusal;
+        only ``True`` items stay counted. A batch cut off as a whole (connection lost,
+        timeout) is ``Failed`` for every item and none is counted, though Redis may hold
+        some of them: its ``maxmemory`` and TTL, and the next start-up scan, account for
+        those."""
         jobs = [self._job(key, byte_view(data, "data")) for key, data in items]
         results: list[ItemResult] = [False] * len(jobs)
         reserved: dict[int, int | None] = {}
@@ -160,6 +161,9 @@ class RedisTier(Tier):
             batch_error: TierError | None = e
         else:
             batch_error = None
+        refused = sum(status == "oom" for status, _ in outcomes)
+        if refused and self.on_refused is not None:
+            self.on_refused(refused)
         for i, (status, detail) in zip(todo, outcomes):
             if status == "ok":
                 results[i] = True

@@ -11,7 +11,9 @@ import pytest
 from lmcache_svc.bench.redis_procs import redis_server_path
 from lmcache_svc.bench.runner import run_benchmark
 from lmcache_svc.bench.soak import OPS, PHASES
+from lmcache_svc.bench.soak_memories import MemoryWorker, memory_blob, memory_id
 from lmcache_svc.bench.soak_worker import Tally, Worker, content, prefix_hashes, soak_namespace
+from lmcache_svc.memories.format import parse_memory
 
 
 class _NoClient:
@@ -37,6 +39,24 @@ def test_the_verifier_counts_wrong_bytes(tmp_path: Path) -> None:
     assert tally.mismatched == [a.hex(), a.hex()]
 
 
+def test_the_memory_verifier_counts_wrong_bytes(tmp_path: Path) -> None:
+    """The control for memories: another memory's bytes, or one flipped byte, mismatch."""
+    blob = memory_blob(3)
+    assert parse_memory(blob).memory_id == memory_id(3)  # a valid memory of the key space
+    assert memory_blob(3) == blob != memory_blob(4)
+    tally = Tally(tmp_path / "m.json")
+    worker = MemoryWorker("rest", None, "http://127.0.0.1:9", 8, tally)  # type: ignore[arg-type]
+    flipped = bytearray(blob)
+    flipped[-7] ^= 1
+    worker.verify(3, blob)
+    worker.verify(3, bytes(flipped))
+    worker.verify(3, memory_blob(4))
+    worker.verify(3, None)  # deleted or quarantined: not a mismatch
+    worker.close()
+    counts: Counter[str] = sum(tally.seconds.values(), start=Counter())
+    assert counts["mem_mismatches"] == 2 and counts["mem_bytes_verified"] == len(blob)
+
+
 def test_bad_parameters_are_refused(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="minutes"):
         run_benchmark("soak", quick=True, out_dir=tmp_path, options={"minutes": "0.01"})
@@ -57,9 +77,20 @@ def test_short_soak_serves_no_wrong_bytes_through_every_fault(tmp_path: Path) ->
         assert counts.get("bytes_verified", 0) > 0, (name, counts)
     events = {what for _, what in data["events"]}
     assert {"client SIGKILL", "redis SIGSTOP", "redis SIGKILL", "server SIGKILL",
-            "server SIGTERM"} <= events  # fmt: skip
+            "server SIGTERM", "memory file corrupted"} <= events  # fmt: skip
+    assert any(what.startswith("bad memory files planted") for what in events)
     assert data["totals"]["final"]["chunks"] > 0
     assert "| final check |" in (tmp_path / "soak.md").read_text()
+    # named memories: read and verified throughout, corrupted files refused, never served
+    assert data["memory_mismatches"] == 0, data["totals"]["mismatched"]
+    memory = Counter[str]()
+    for name in PHASES:
+        memory.update(data["totals"]["phases"][name])
+    assert all(memory[op] > 0 for op in ("mem_put", "mem_get", "mem_list", "mem_delete"))
+    assert memory["mem_bytes_verified"] > 0
+    final = data["totals"]["memories_final"]
+    assert final["files_corrupted"] > 0 and final["memories"] > 0
+    assert memory["mem_corrupted_refused"] + final["corrupted_refused"] > 0
 
 
 def test_cli_passes_minutes_and_exits_1_on_a_failed_check(

@@ -135,3 +135,64 @@ def test_memory_ids_must_be_canonical() -> None:
     for bad in ("", "x", "{" + fresh + "}", "urn:uuid:" + fresh, fresh + "\n"):
         with pytest.raises(InvalidArgument, match="canonical lowercase UUID"):
             check_memory_id(bad)
+
+
+# -- bounded parsing: hostile headers are BadMemory (400 / INVALID_ARGUMENT), never a crash --
+
+
+def deep(depth: int) -> bytes:
+    return b"[" * depth + b"]" * depth
+
+
+@pytest.mark.parametrize(
+    ("header", "fragment"),
+    [
+        (b'{"t": {"dtype": "F16", "shape": [' + b"9" * 5000 + b'], "data_offsets": [0, 8]}}',
+         "integer of 5000 digits"),
+        (b'{"x": ' + deep(100_000) + b"}", "nested too deeply"),
+        (b'{"t": {"dtype": "F16", "shape": [NaN], "data_offsets": [0, 8]}}', "NaN"),
+        (b'{"t": {"dtype": "F16", "shape": [1e999], "data_offsets": [0, 8]}}', "1e999"),
+    ],
+)  # fmt: skip
+def test_hostile_json_in_the_header_is_bad_memory(header: bytes, fragment: str) -> None:
+    with pytest.raises(BadMemory) as caught:
+        parse_memory(raw_blob(header, bytes(8)))
+    assert fragment in str(caught.value)
+
+
+def test_a_header_over_the_limit_is_refused_before_it_is_parsed() -> None:
+    from lmcache_svc.memories.format import MAX_HEADER_BYTES
+
+    garbage = b"\xff" * (MAX_HEADER_BYTES + 1)  # not even UTF-8: never decoded or parsed
+    with pytest.raises(BadMemory, match=f"limit {MAX_HEADER_BYTES}"):
+        parse_memory(raw_blob(garbage))
+    prefix_only = struct.pack("<Q", MAX_HEADER_BYTES + 1)  # the prefix alone decides
+    with pytest.raises(BadMemory, match=f"limit {MAX_HEADER_BYTES}"):
+        parse_header(prefix_only, 1 << 30)
+
+
+def test_more_tensors_than_a_model_has_are_refused() -> None:
+    from lmcache_svc.memories.format import MAX_TENSORS
+
+    tensors = {f"t{i}": tensor([1], dtype="U8") for i in range(MAX_TENSORS + 1)}
+    with pytest.raises(BadMemory, match=f"{MAX_TENSORS + 1} tensors; at most {MAX_TENSORS}"):
+        parse_memory(safetensors_bytes(tensors, memory_metadata(MID)))
+    tensors.pop("t0")  # exactly the limit: fine
+    assert parse_memory(safetensors_bytes(tensors, memory_metadata(MID))).memory_id == MID
+
+
+@pytest.mark.parametrize(
+    ("raw", "fragment"),
+    [
+        ('{"score": NaN}', "NaN"),
+        ('{"score": Infinity}', "Infinity"),
+        ('{"score": -Infinity}', "-Infinity"),
+        ('{"score": 1e400}', "1e400"),
+        ('{"n": ' + "7" * 5000 + "}", "integer of 5000 digits"),
+        ('{"x": ' + "[" * 100_000 + "]" * 100_000 + "}", "nested too deeply"),
+    ],
+)
+def test_item_metadata_must_be_standard_json(raw: str, fragment: str) -> None:
+    with pytest.raises(BadMemory) as caught:
+        parse_memory(safetensors_bytes(default_tensors(), meta_with(metadata=raw)))
+    assert fragment in str(caught.value)

@@ -1,5 +1,6 @@
-"""A ``TieredCache`` behind a real gRPC server in this process (a test can drive its clock
-and look inside the cache), and the ``serve`` fixture that makes them."""
+"""A ``TieredCache`` (and optionally a ``MemoryStore``) behind a real gRPC server in this
+process (a test can drive its clock and look inside the cache), and the ``serve`` fixture
+that makes them."""
 
 from __future__ import annotations
 
@@ -15,7 +16,9 @@ from lmcache_svc.arena import Arena
 from lmcache_svc.cache import TieredCache
 from lmcache_svc.cache.settings import CacheSettings
 from lmcache_svc.keys import KVLayout, Namespace
+from lmcache_svc.memories.store import MemoryStore
 from lmcache_svc.server.grpc import build_grpc_server
+from lmcache_svc.server.grpc_memories import add_memory_service
 from lmcache_svc.tiers.cpu import CpuTier
 
 LAYOUT = KVLayout(
@@ -29,11 +32,18 @@ NS_ID = NS.namespace_id
 class InProcessServer:
     """A TieredCache behind a real gRPC server on a Unix socket, its loop in a thread."""
 
-    def __init__(self, tmp_path: Path, num_chunks: int, settings: CacheSettings) -> None:
+    def __init__(
+        self,
+        tmp_path: Path,
+        num_chunks: int,
+        settings: CacheSettings,
+        memories: MemoryStore | None = None,
+    ) -> None:
         arena = Arena.create(num_chunks * CHUNK, slab_bytes=CHUNK, prefault="off")
         self.cache = TieredCache(CpuTier(arena), settings=settings)
         self.cache.register_namespace(NS)
         self.cache.start()
+        self.memories = memories
         self.socket = str(tmp_path / "grpc.sock")
         self._loop = asyncio.new_event_loop()
         self._stopped = threading.Event()
@@ -50,6 +60,8 @@ class InProcessServer:
         server, servicer, _ = build_grpc_server(
             self.cache, max_body_bytes=64 << 20, workers=4, auth_token=None
         )
+        if self.memories is not None:
+            add_memory_service(server, self.memories, self.cache.metrics, None)
         server.add_insecure_port(f"unix:{self.socket}")
         await server.start()
         started.set()
@@ -68,9 +80,13 @@ class InProcessServer:
 def serve(tmp_path: Path) -> Iterator[Callable[..., InProcessServer]]:
     made: list[InProcessServer] = []
 
-    def make(num_chunks: int = 1, **settings: Any) -> InProcessServer:
+    def make(
+        num_chunks: int = 1, memories: MemoryStore | None = None, **settings: Any
+    ) -> InProcessServer:
         settings.setdefault("high_watermark", 1.0)  # no background eviction of tiny arenas
-        srv = InProcessServer(tmp_path, num_chunks, CacheSettings(**settings))
+        # and one tenant may reserve all of one (its share is tested in tests/test_quotas.py)
+        settings.setdefault("max_tenant_reserved_fraction", 1.0)
+        srv = InProcessServer(tmp_path, num_chunks, CacheSettings(**settings), memories)
         made.append(srv)
         return srv
 

@@ -32,10 +32,14 @@ ACME_NS = Namespace(model="m", layout=LAYOUT, chunk_size=256, tenant="acme")
 GLOBEX_NS = Namespace(model="m", layout=LAYOUT, chunk_size=256, tenant="globex")
 CHUNK = ACME_NS.chunk_bytes
 ACME, GLOBEX, ADMIN = "acme-token-00000001", "globex-token-000001", "ops-token-000000001"
+ACME_READER = "acme-reader-0000001"
 TOKENS = f"""
 tokens:
   - tenant: acme
     token: {ACME}
+  - tenant: acme
+    token: {ACME_READER}
+    read_only: true
   - tenant: globex
     token: {GLOBEX}
   - admin: true
@@ -124,21 +128,24 @@ def test_published_on_commit_unpublished_on_delete_and_eviction() -> None:
     try:
         acme = table(cache, "acme")
         cache.prepare_store(ACME_NS.namespace_id, [h(0)], session_id="s")
-        assert not acme.contains(h(0))  # reserved, not readable yet
+        assert not acme.contains(ACME_NS.namespace_id + h(0))  # reserved, not readable yet
         cache.commit_store(ACME_NS.namespace_id, [h(0)], session_id="s")
-        assert acme.contains(h(0))
-        assert not table(cache, "globex").contains(h(0))  # only its own tenant's table
+        assert acme.contains(ACME_NS.namespace_id + h(0))
+        # only its own tenant's table
+        assert not table(cache, "globex").contains(GLOBEX_NS.namespace_id + h(0))
         cache.delete(ACME_NS.namespace_id, [h(0)])
-        assert not acme.contains(h(0))
+        assert not acme.contains(ACME_NS.namespace_id + h(0))
         cache.put(ACME_NS.namespace_id, h(1), b"\1" * CHUNK)
         lease = cache.prepare_load(ACME_NS.namespace_id, [h(1)])
         cache.delete(ACME_NS.namespace_id, [h(1)])  # pinned: freed later, unreadable now
-        assert not acme.contains(h(1))
+        assert not acme.contains(ACME_NS.namespace_id + h(1))
         assert lease.lease_id is not None
         cache.release_load(lease.lease_id)
         for i in (2, 3, 4):  # two slots: storing a third evicts the least recent
             cache.put(ACME_NS.namespace_id, h(i), bytes([i]) * CHUNK)
-        assert not acme.contains(h(2)) and acme.contains(h(3)) and acme.contains(h(4))
+        key = ACME_NS.namespace_id
+        assert not acme.contains(key + h(2))
+        assert acme.contains(key + h(3)) and acme.contains(key + h(4))
         assert acme.num_entries == 2
     finally:
         cache.close()
@@ -175,7 +182,8 @@ def test_a_tenant_session_maps_only_its_own_table(served: Served) -> None:
         assert set(acme_session.indexes) == {"acme"}
         assert set(globex._live_session().indexes) == {"globex"}  # noqa: SLF001
         # acme's table never holds globex's chunk, whatever hash acme asks about
-        assert acme_session.indexes["acme"].lookup([h(0)]).num_hit_chunks == 0  # type: ignore[union-attr]
+        acme_index = acme_session.indexes["acme"]
+        assert acme_index.lookup(GLOBEX_NS.namespace_id, [h(0)]).num_hit_chunks == 0  # type: ignore[union-attr]
         assert globex.lookup(GLOBEX_NS.namespace_id, [h(0)]).num_hit_chunks == 1
     with served.client(ADMIN) as admin:
         admin.register_namespace(ACME_NS)
@@ -190,7 +198,7 @@ def test_chunks_in_a_lower_tier_are_hits_through_the_fallback(tmp_path: Path) ->
         cache = srv.cache
         cache.put(ACME_NS.namespace_id, h(0), b"\0" * CHUNK)
         cache.put(ACME_NS.namespace_id, h(1), b"\1" * CHUNK)  # demotes h(0) to the SSD
-        assert not table(cache, "acme").contains(h(0))
+        assert not table(cache, "acme").contains(ACME_NS.namespace_id + h(0))
         with srv.client(ACME) as client:
             ns_id = client.register_namespace(ACME_NS)
             assert client.shm_available
@@ -214,3 +222,30 @@ def test_a_session_opened_before_any_registration_gets_its_table(tmp_path: Path)
             assert srv.cache.metrics.lookup_chunks._value.get() == before  # noqa: SLF001
     finally:
         srv.close()
+
+
+ACME_NS2 = Namespace(model="m2", layout=LAYOUT, chunk_size=256, tenant="acme")
+
+
+def test_the_index_is_keyed_by_namespace_and_chunk_hash(served: Served) -> None:
+    """The same chunk hash in two namespaces of one tenant is two entries: a chunk of one
+    namespace is never a local hit in the other, and a delete in one leaves the other."""
+    cache = served.cache
+    cache.register_namespace(ACME_NS2)
+    ns1, ns2 = ACME_NS.namespace_id, ACME_NS2.namespace_id
+    cache.put(ns1, h(0), b"\0" * CHUNK)
+    with served.client(ACME) as client:
+        client.register_namespace(ACME_NS)
+        client.register_namespace(ACME_NS2)
+        assert client.shm_available
+        assert client.lookup(ns1, [h(0)]).num_hit_chunks == 1
+        assert client.lookup(ns2, [h(0)]).num_hit_chunks == 0  # not stored in ns2
+        cache.put(ns2, h(0), b"\2" * CHUNK)
+        assert client.lookup(ns2, [h(0)]).num_hit_chunks == 1
+        cache.delete(ns1, [h(0)])
+        assert client.lookup(ns1, [h(0)]).num_hit_chunks == 0  # deleted there
+        assert client.lookup(ns2, [h(0)]).num_hit_chunks == 1  # and still here
+        cache.delete(ns2, [h(0)])
+        cache.put(ns1, h(0), b"\0" * CHUNK)
+        assert client.lookup(ns2, [h(0)]).num_hit_chunks == 0
+        assert client.lookup(ns1, [h(0)]).num_hit_chunks == 1

@@ -15,14 +15,21 @@ import pytest
 from lmcache_svc.arena import Arena
 from lmcache_svc.cache import TieredCache
 from lmcache_svc.cache.settings import CacheSettings
-from lmcache_svc.server.lookup_reports import MAX_REPORTED_LOOKUPS
+from lmcache_svc.server.lookup_reports import (
+    CHUNKS_PER_S,
+    LOOKUPS_PER_S,
+    MAX_REPORTED_CHUNKS,
+    MAX_REPORTED_LOOKUPS,
+)
 from lmcache_svc.tiers.cpu import CpuTier
 from lmcache_svc.v1 import cache_pb2 as pb
 from lmcache_svc.v1 import cache_pb2_grpc as pb_grpc
 from tests.server.test_lookup_index import (
     ACME,
     ACME_NS,
+    ACME_READER,
     CHUNK,
+    GLOBEX,
     GLOBEX_NS,
     Served,
     h,
@@ -207,3 +214,58 @@ def test_close_is_quick_when_the_server_is_gone(tmp_path: Path) -> None:
     start = time.monotonic()
     client.close()
     assert time.monotonic() - start < 2.0
+
+
+def refused(cache: TieredCache, reason: str) -> float:
+    value = cache.metrics.registry.get_sample_value(
+        "lmcache_svc_lookup_reports_refused_total", {"reason": reason}
+    )
+    return value or 0.0
+
+
+def test_read_only_tokens_may_not_report(served: Served) -> None:
+    before = counters(served.cache)
+    with pytest.raises(grpc.RpcError) as info:
+        _report_as(served, ACME_READER)(num_lookups=1, num_chunks=1)
+    assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    assert "read-only" in info.value.details()
+    assert moved(served.cache, before) == dict.fromkeys(COUNTERS, 0.0)
+    with served.client(ACME_READER, report_interval_s=3600) as reader:  # its own lookups
+        ns_id = reader.register_namespace(ACME_NS)
+        assert reader.shm_available  # its session maps acme's index table
+        assert reader.lookup(ns_id, [h(0)]).num_hit_chunks == 0  # answered from the index
+        assert reader.flush_lookup_reports() == 0  # refused, dropped: nothing counted
+    with served.client(ACME, report_interval_s=3600) as writer:  # the plugin's own reports
+        ns_id = writer.register_namespace(ACME_NS)
+        assert writer.shm_available
+        assert writer.lookup(ns_id, [h(0)]).num_hit_chunks == 0
+        assert writer.flush_lookup_reports() == 1
+    assert moved(served.cache, before)["index_lookups"] == 1.0
+
+
+def test_reports_are_bounded_per_tenant_and_per_interval(served: Served) -> None:
+    """3,000 reports of 2^30 lookups once pushed the counters past 2^53, where adding one
+    no longer moves a float; a tenant now reports at most LOOKUPS_PER_S lookups and
+    CHUNKS_PER_S chunks a second (a minute's worth at once), and a report over that is
+    refused by name and counted."""
+    cache = served.cache
+    acme, globex = _report_as(served, ACME), _report_as(served, GLOBEX)
+    before = counters(cache)
+    with pytest.raises(grpc.RpcError) as info:
+        acme(num_lookups=1 << 30, num_chunks=1 << 30)
+    assert f"is over {MAX_REPORTED_LOOKUPS}" in info.value.details()
+    acme(num_lookups=MAX_REPORTED_LOOKUPS, num_chunks=MAX_REPORTED_CHUNKS)  # a full minute
+    for _ in range(20):  # the budget is spent: each refused, naming it, and counted
+        with pytest.raises(grpc.RpcError) as info:
+            acme(num_lookups=LOOKUPS_PER_S, num_chunks=1)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert f"{LOOKUPS_PER_S} lookups a second" in info.value.details()
+    globex_ns = GLOBEX_NS.namespace_id  # another tenant's budget is its own
+    with pytest.raises(grpc.RpcError) as info:  # and it bounds chunks too
+        globex(namespace_id=globex_ns, num_lookups=1 << 17, num_chunks=MAX_REPORTED_CHUNKS + 1)
+    assert f"{CHUNKS_PER_S} chunks a second" in info.value.details()
+    assert refused(cache, "over_budget") == 21 and refused(cache, "implausible") == 1
+    globex(namespace_id=globex_ns, num_lookups=LOOKUPS_PER_S, num_chunks=LOOKUPS_PER_S)
+    grew = moved(cache, before)
+    assert grew["index_lookups"] <= MAX_REPORTED_LOOKUPS + LOOKUPS_PER_S * 1.01
+    assert grew["lookup_chunks"] <= MAX_REPORTED_CHUNKS + LOOKUPS_PER_S * 1.01

@@ -10,6 +10,7 @@ from typing import Any
 
 import httpx
 import pytest
+import xxhash
 
 from lmcache_svc import errors
 from lmcache_svc.bench.procs import ServerProc, start_server
@@ -157,7 +158,8 @@ def test_memories_persist_under_the_ssd_tier_by_default(
     with ready_client(first.socket) as c:
         c.put_memory(blob)
     assert first.stop() == 0
-    assert [p.name for p in (ssd / "memories").glob("t-*/*")] == [f"{MID}.safetensors"]
+    checksum = xxhash.xxh3_64_hexdigest(blob)  # recorded in the name (memories/blobs.py)
+    assert [p.name for p in (ssd / "memories").glob("t-*/*")] == [f"{MID}.{checksum}.safetensors"]
     second = start(servers, tmp_path, "--ssd-path", str(ssd))
     with ready_client(second.socket) as c:
         assert c.get_memory(MID) == blob

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import struct
 import subprocess
 from collections.abc import Callable
 from pathlib import Path
@@ -22,6 +23,10 @@ MEMORIES = "/v1/memories"
 @pytest.fixture
 def app(serve_memories: Callable[..., App]) -> App:
     return serve_memories()
+
+
+def raw_header(header: bytes) -> bytes:
+    return struct.pack("<Q", len(header)) + header
 
 
 def post(app: App, blob: bytes) -> httpx.Response:
@@ -69,6 +74,9 @@ def test_other_bytes_under_a_stored_id_are_409(app: App) -> None:
         (b"\x02\x00\x00\x00\x00\x00\x00\x00[]", "not a JSON object"),
         (make_memory()[:-1], "cover 96 bytes of data, but the blob holds 95"),
         (make_memory() + b"\x00", "holds 97 bytes"),
+        (raw_header(b'{"t": [' + b"9" * 5000 + b"]}"), "integer of 5000 digits"),
+        (raw_header(b'{"t": ' + b"[" * 30_000 + b"]" * 30_000 + b"}"), "nested too deeply"),
+        (make_memory(metadata=float("nan")), "NaN is not standard JSON"),  # type: ignore[arg-type]
     ],
 )
 def test_bad_bodies_are_400_naming_the_problem(app: App, body: bytes, fragment: str) -> None:
