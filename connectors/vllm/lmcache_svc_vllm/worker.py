@@ -32,6 +32,7 @@ from typing import Any
 
 from lmcache_svc.keys import Namespace
 from lmcache_svc_vllm.cores import off_compute_cores
+from lmcache_svc_vllm.events import describe_saves
 from lmcache_svc_vllm.layout import KVPages, UnsupportedLayout, layer_sort_key
 from lmcache_svc_vllm.link import Reservation, ServerLink
 from lmcache_svc_vllm.metadata import LoadPlan, SavePlan, StepPlan
@@ -176,11 +177,16 @@ class WorkerSide:
         start = time.perf_counter()
         ok = self._copy_out(reservation)
         self.stats.time("save_seconds", time.perf_counter() - start)
-        self._io.submit(self.stats.cpu_timed, self._publish, reservation, num_planned, ok)
+        described = describe_saves(plan.saves, self.tp_rank, self.namespace.chunk_size)
+        self._io.submit(
+            self.stats.cpu_timed, self._publish, reservation, num_planned, ok, described
+        )
 
-    def _publish(self, reservation: Reservation, num_planned: int, ok: bool) -> None:
+    def _publish(
+        self, reservation: Reservation, num_planned: int, ok: bool, described: Any = None
+    ) -> None:
         """On the I/O thread: commit the copied chunks (or give the slots back)."""
-        committed = self.link.publish(reservation, abort=not ok)
+        committed = self.link.publish(reservation, abort=not ok, described=described)
         stored = committed if ok else 0
         self.stats.add(
             save_skipped_chunks=num_planned - stored,
