@@ -27,13 +27,13 @@ import grpc
 
 from lmcache_svc import errors
 from lmcache_svc.arena import ArenaMapping
+from lmcache_svc.client.events import ChunkTokens, EventsSource
 from lmcache_svc.client.lookup_reports import (
     DEFAULT_REPORT_INTERVAL_S,
     REPORT_TIMEOUT_S,
     LookupCounts,
     LookupReporter,
 )
-from lmcache_svc.client.events import ChunkTokens, EventsSource
 from lmcache_svc.client.memories import MemoryCalls
 from lmcache_svc.client.session import Session
 from lmcache_svc.client.transport import (

@@ -40,8 +40,8 @@ from lmcache_svc_vllm.worker import WorkerSide
 if TYPE_CHECKING:
     from collections.abc import Iterable
 
-    from vllm.distributed.kv_events import KVCacheEvent
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_events import KVCacheEvent
     from vllm.forward_context import ForwardContext
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
