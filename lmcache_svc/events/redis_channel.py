@@ -218,12 +218,15 @@ def _cluster_nodes(url: str, timeout_s: float) -> list[tuple[str, int, dict[str,
             host=host, port=port, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
             **options,
         )  # fmt: skip
-        for line in client.execute_command("CLUSTER", "NODES").splitlines():
-            address = line.split()[1].split("@")[0]
-            h, _, p = address.rpartition(":")
+        reply = client.execute_command("CLUSTER", "NODES")
+        client.close()
+        # redis-py parses the reply into {"host:port@bus": {...}} (older: the raw text)
+        text = reply if isinstance(reply, bytes | str) else "\n".join(f"- {k}" for k in reply)
+        text = text.decode() if isinstance(text, bytes) else text
+        for line in text.splitlines():
+            h, _, p = line.split()[1].split("@")[0].rpartition(":")
             if (h, int(p)) != (host, port):
                 nodes.append((h, int(p), options))
-        client.close()
     except (redis.RedisError, OSError, ValueError, IndexError) as e:
         log.warning("events: cannot read the cluster's nodes (%s); listening on %s only", e, url)
     return nodes

@@ -15,12 +15,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 from lmcache_svc.bench.procs import ServerProc, free_port, start_server
 from lmcache_svc.bench.vllm.bench_model import VOCAB_SIZE, make_tiny_model
 from lmcache_svc.bench.vllm.engines import EngineProc
 from lmcache_svc.client import CacheClient
+from lmcache_svc.client.events import ChunkTokens
 from lmcache_svc.keys import chunk_hashes
 from tests.events.dynamo import Indexer, require_dynamo
 from tests.events.engines import VllmReader, events_env, of_type, start_engine
@@ -137,27 +139,49 @@ def poll(node: Node, check: Any, what: str, timeout_s: float = 60) -> None:
         time.sleep(0.2)
 
 
+def store_as_another_engine(node: Node, tokens: list[int]) -> list[bytes]:
+    """Store the prompt's full chunks in the sidecar (described by their tokens) as another
+    engine of the node would; engine A never computed them."""
+    namespace = tiny_model_namespace(node.model_dir, chunk_size=CHUNK)
+    hashes = chunk_hashes(namespace, tokens)
+    described = ChunkTokens()
+    for i, h in enumerate(hashes):
+        part = np.asarray(tokens[i * CHUNK : (i + 1) * CHUNK], dtype="<u4").tobytes()
+        described.add(h, hashes[i - 1] if i else b"", part)
+    with CacheClient(node.server.socket, timeout_s=5) as client:
+        ns_id = client.register_namespace(namespace)
+        slots = client.prepare_store(ns_id, hashes)
+        assert all(s.status == "reserved" for s in slots)
+        assert client.commit_store(ns_id, hashes, described=described) == len(hashes)
+    return hashes
+
+
 def test_dynamo_scores_the_engine_for_its_sidecars_tiers(node: Node) -> None:
-    tokens = prompt(2, 4 * CHUNK + 30)
-    node.engine.generate([tokens], 4)
-    full = 4 * CHUNK
     idx = node.indexer
+    computed = prompt(3, 2 * CHUNK + 10)
+    node.engine.generate([computed], 2)  # vLLM's own blocks and the sidecar's, both
+    poll(node, lambda: idx.matched(computed, 1, "gpu") == 2 * CHUNK, "the engine's GPU blocks")
+
+    tokens = prompt(2, 4 * CHUNK + 30)
+    hashes = store_as_another_engine(node, tokens)
+    full = 4 * CHUNK
     poll(node, lambda: idx.matched(tokens, 1, "cpu") == full, "the engine's CPU blocks")
     poll(node, lambda: idx.matched(tokens, 2, "cpu") == full, "the node's CPU blocks")
+    assert idx.matched(tokens, 1, "gpu") == 0  # only the sidecar holds them
 
-    # the sidecar drops the last two chunks: the indexer's CPU match shrinks to two
+    # the sidecar drops the last two chunks: the CPU match shrinks to two blocks
     namespace = tiny_model_namespace(node.model_dir, chunk_size=CHUNK)
     with CacheClient(node.server.socket, timeout_s=5) as client:
         ns_id = client.register_namespace(namespace)
-        assert client.delete(ns_id, chunk_hashes(namespace, tokens)[2:]) == 2
+        assert client.delete(ns_id, hashes[2:]) == 2
     poll(node, lambda: idx.matched(tokens, 1, "cpu") == 2 * CHUNK, "removal in the engine's")
     poll(node, lambda: idx.matched(tokens, 2, "cpu") == 2 * CHUNK, "removal in the node's")
 
-    # a sidecar restart: nothing of it is left in either stream
+    # a sidecar restart: nothing of it is left in either stream, vLLM's own blocks stay
     old = node.server
     old.stop()  # SIGTERM: the socket and the segment go, the socket's directory stays
     node.server = start_server(node.tmp, env=node.server_env, socket_path=old.socket)
     node.old_workdirs.append(old.workdir)
     poll(node, lambda: idx.matched(tokens, 1, "cpu") == 0, "the restart in the engine's")
     poll(node, lambda: idx.matched(tokens, 2, "cpu") == 0, "the restart in the node's")
-    assert idx.matched(tokens, 1, "gpu") == full  # vLLM's own blocks are still there
+    assert idx.matched(computed, 1, "gpu") == 2 * CHUNK
