@@ -18,8 +18,7 @@ it. Never a removal before its store: removals name only blocks this engine anno
 Decoding uses vLLM's own classes (``vllm.distributed.kv_events``); all of it runs on one
 background thread, ``take_events`` only drains a list.
 
-Also here: what a save tells the server (``describe_save``, ``describe_saves``): each
-chunk's token ids and parent hash, so the server can announce it with its tokens.
+What a save tells the server (each chunk's tokens and parent) is in ``save_tokens.py``.
 """
 
 from __future__ import annotations
@@ -32,7 +31,6 @@ from collections.abc import Sequence
 from typing import Any
 
 import msgspec
-import numpy as np
 import zmq
 from vllm.distributed.kv_events import (
     AllBlocksCleared,
@@ -44,9 +42,8 @@ from vllm.distributed.kv_events import (
 from vllm.v1.core import kv_cache_utils
 from vllm.v1.core.kv_cache_utils import hash_block_tokens, maybe_convert_block_hash
 
-from lmcache_svc.client.events import ChunkTokens, EventsSource
+from lmcache_svc.client.events import EventsSource
 from lmcache_svc_vllm.link import ServerLink
-from lmcache_svc_vllm.metadata import SavePlan
 
 logger = logging.getLogger(f"vllm.{__name__}")
 
@@ -295,28 +292,3 @@ def start_engine_events(link: ServerLink, block_size: int, vllm_config: Any) -> 
     if not hasattr(kv_cache_utils, "NONE_HASH"):
         kv_cache_utils.init_none_hash(hash_fn)
     return EngineEvents(link, block_size, hash_fn)
-
-
-# -- what a save tells the server ----------------------------------------------------------
-
-
-def describe_save(
-    token_ids: Sequence[int], hashes: Sequence[Sequence[bytes]], start: int, end: int, chunk: int
-) -> tuple[bytes, tuple[bytes, ...]]:
-    """``SavePlan.token_ids`` and ``parent_hashes`` for chunks ``[start, end)``."""
-    tokens = np.asarray(token_ids[start * chunk : end * chunk], dtype="<u4").tobytes()
-    return tokens, tuple(h[start - 1] if start else b"" for h in hashes)
-
-
-def describe_saves(saves: Sequence[SavePlan], tp_rank: int, chunk: int) -> ChunkTokens | None:
-    """What the worker of ``tp_rank`` tells the server about the chunks it commits."""
-    out = ChunkTokens()
-    step = 4 * chunk
-    for save in saves:
-        if not save.token_ids:
-            continue
-        hashes = save.hashes_for(tp_rank)
-        parent = save.parent_hashes[tp_rank]
-        for i, h in enumerate(hashes):
-            out.add(h, hashes[i - 1] if i else parent, save.token_ids[i * step : (i + 1) * step])
-    return out if out.items else None

@@ -26,9 +26,9 @@ from typing import Any
 from lmcache_svc.client import LookupResult
 from lmcache_svc.keys import Namespace, chunk_hashes
 from lmcache_svc_vllm.config import ConnectorConfig
-from lmcache_svc_vllm.events import describe_save
 from lmcache_svc_vllm.link import ServerLink
 from lmcache_svc_vllm.metadata import LoadPlan, SavePlan, StepPlan
+from lmcache_svc_vllm.save_tokens import describe_save
 from lmcache_svc_vllm.stats import StatsRecorder
 
 logger = logging.getLogger(f"vllm.{__name__}")

@@ -32,12 +32,12 @@ from typing import Any
 
 from lmcache_svc.keys import Namespace
 from lmcache_svc_vllm.cores import off_compute_cores
-from lmcache_svc_vllm.events import describe_saves
 from lmcache_svc_vllm.layout import KVPages, UnsupportedLayout, layer_sort_key
 from lmcache_svc_vllm.link import Reservation, ServerLink
 from lmcache_svc_vllm.metadata import LoadPlan, SavePlan, StepPlan
 from lmcache_svc_vllm.mover import ChunkLoad, ChunkSave, LayerEvents, PageMover
 from lmcache_svc_vllm.pinning import HostPinner, cuda_host_registrar
+from lmcache_svc_vllm.save_tokens import describe_saves
 from lmcache_svc_vllm.stats import StatsRecorder
 from lmcache_svc_vllm.streams import copy_stream_for
 
