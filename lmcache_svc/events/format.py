@@ -12,6 +12,7 @@ Block hashes are ints (vLLM's default, ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1``
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Literal
 
 import msgspec
@@ -61,6 +62,9 @@ class AllBlocksCleared(KVCacheEvent):
 
 
 Event = BlockStored | BlockRemoved | AllBlocksCleared
+Pending = Event | Callable[[], Event]
+"""An event, or how to build it: the store path queues the cheap recipe, the publisher's
+thread builds the event (token ids as a list, hashes) off that path."""
 
 
 class KVEventBatch(EventBatch):
@@ -71,10 +75,11 @@ _ENCODER = msgspec.msgpack.Encoder()
 _DECODER = msgspec.msgpack.Decoder(KVEventBatch)
 
 
-def encode_batch(ts: float, events: list[Event], dp_rank: int = 0) -> bytes:
+def encode_batch(ts: float, events: list[Pending], dp_rank: int = 0) -> bytes:
     """The msgpack payload of one batch (``data_parallel_rank`` always set: three
     elements)."""
-    return _ENCODER.encode(KVEventBatch(ts=ts, events=events, data_parallel_rank=dp_rank))
+    built = [e if isinstance(e, KVCacheEvent) else e() for e in events]
+    return _ENCODER.encode(KVEventBatch(ts=ts, events=built, data_parallel_rank=dp_rank))
 
 
 def decode_batch(payload: bytes) -> KVEventBatch:

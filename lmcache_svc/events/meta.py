@@ -20,7 +20,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from lmcache_svc.errors import InvalidArgument
-from lmcache_svc.keys import NAMESPACE_ID_BYTES, ChunkKey, Namespace, chunk_hash, make_chunk_key
+from lmcache_svc.keys import (
+    NAMESPACE_ID_BYTES,
+    ChunkKey,
+    Namespace,
+    chunk_hash_packed,
+    make_chunk_key,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,7 +66,7 @@ def describe_chunks(
     for i, (h, parent) in enumerate(zip(chunk_hashes, parent_hashes)):
         parent = bytes(parent) or namespace.namespace_id
         tokens = bytes(token_ids[i * step : (i + 1) * step])
-        if chunk_hash(parent, memoryview(tokens).cast("I")) != bytes(h):
+        if chunk_hash_packed(parent, tokens) != bytes(h):
             raise InvalidArgument(
                 f"chunk {bytes(h).hex()}: its token_ids and parent hash do not hash to it"
             )

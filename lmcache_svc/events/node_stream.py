@@ -31,6 +31,7 @@ import logging
 import threading
 from collections.abc import Iterable
 from dataclasses import dataclass
+from functools import partial
 from typing import TYPE_CHECKING
 
 from lmcache_svc.errors import InvalidArgument
@@ -39,9 +40,9 @@ from lmcache_svc.events.format import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
-    Event,
     Locality,
     Medium,
+    Pending,
 )
 from lmcache_svc.events.meta import ChunkMeta, MetaStore, describe_chunks, parent_key
 from lmcache_svc.events.metrics import EventMetrics
@@ -186,7 +187,7 @@ class NodeEvents:
             if not loadable:
                 if key in announced:
                     announced.discard(key)
-                    self._queue(pub.topic, [_removed(key, pub, view)])
+                    self._queue(pub.topic, [partial(_removed, key, pub, view)])
                 return
             if key in announced:
                 return
@@ -208,7 +209,7 @@ class NodeEvents:
                 announced.discard(key)
                 pub = self._published.get(NamespaceId(key[:NAMESPACE_ID_BYTES]))
                 if pub is not None:
-                    self._queue(pub.topic, [_removed(key, pub, view)])
+                    self._queue(pub.topic, [partial(_removed, key, pub, view)])
             for key in self._parents_first(k for k in held if k not in announced):
                 pub = self._published.get(NamespaceId(key[:NAMESPACE_ID_BYTES]))
                 event = None if pub is None else self._stored_locked(key, pub, view)
@@ -218,7 +219,7 @@ class NodeEvents:
 
     # -- snapshots -------------------------------------------------------------------------
 
-    def snapshot(self, topic: bytes) -> tuple[int, list[list[Event]]]:
+    def snapshot(self, topic: bytes) -> tuple[int, list[list[Pending]]]:
         """Every chunk announced on ``topic`` now, parents first, in batches; and the
         sequence of the last batch this covers."""
         with self._lock:
@@ -226,14 +227,14 @@ class NodeEvents:
             events = self._announcement_locked(topic)
         return seq, [events[i : i + SNAPSHOT_BATCH] for i in range(0, len(events), SNAPSHOT_BATCH)]
 
-    def _announcement_locked(self, topic: bytes | None) -> list[Event]:
+    def _announcement_locked(self, topic: bytes | None) -> list[Pending]:
         """Stores for every chunk announced (on ``topic``, or all), parents first."""
         pairs: list[tuple[ChunkKey, str]] = []
         for name, keys in self._announced.items():
             pairs += [(k, name) for k in keys if topic is None or self._topic_of_key(k) == topic]
         depth = self._depths([k for k, _ in pairs])
         pairs.sort(key=lambda p: depth[p[0]])
-        out: list[Event] = []
+        out: list[Pending] = []
         for key, name in pairs:
             view = self._views.get(name)
             pub = self._published.get(NamespaceId(key[:NAMESPACE_ID_BYTES]))
@@ -276,7 +277,7 @@ class NodeEvents:
             view = self._views[tier.name] = tier_view(tier)
             return view
 
-    def _stored_locked(self, key: ChunkKey, pub: Published, view: TierView) -> Event | None:
+    def _stored_locked(self, key: ChunkKey, pub: Published, view: TierView) -> Pending | None:
         meta = self._meta.get(key)
         if meta is None:
             self.metrics.unannounced.labels(reason="no_tokens").inc()
@@ -285,9 +286,9 @@ class NodeEvents:
         if parent is not None and not any(parent in s for s in self._announced.values()):
             self.metrics.unannounced.labels(reason="no_parent").inc()
             return None
-        return _stored(key, meta, pub, view)
+        return partial(_stored, key, meta, pub, view)  # built on the publisher's thread
 
-    def _queue(self, topic: bytes, events: list[Event]) -> None:
+    def _queue(self, topic: bytes, events: list[Pending]) -> None:
         """Queue events (lock held); on overflow drop the queue and resync every topic."""
         if self._log.add(topic, events):
             self.publisher.wake()

@@ -38,11 +38,14 @@ from dataclasses import dataclass
 import zmq
 
 from lmcache_svc.errors import ConfigError
-from lmcache_svc.events.format import END_SEQ, Event, encode_batch, seq_bytes, seq_of
+from lmcache_svc.events.format import END_SEQ, Pending, encode_batch, seq_bytes, seq_of
 
 log = logging.getLogger(__name__)
 
-SnapshotFn = Callable[[bytes], tuple[int, list[list[Event]]]]
+LINGER_S = 0.002
+"""How long the publisher waits after the first pending event, so that the chunks of one
+store go out in one batch (and the store path is not interrupted once per chunk)."""
+SnapshotFn = Callable[[bytes], tuple[int, list[list[Pending]]]]
 """topic -> (sequence covered, batches of events)."""
 
 
@@ -51,7 +54,7 @@ class _Batch:
     seq: int
     topic: bytes
     ts: float
-    events: list[Event] | None
+    events: list[Pending] | None
     payload: bytes | None = None
 
     def encoded(self) -> bytes:
@@ -74,12 +77,12 @@ class EventLog:
 
     def __init__(self, buffer_steps: int, max_pending: int) -> None:
         self.next_seq = 0
-        self._pending: dict[bytes, list[Event]] = {}
+        self._pending: dict[bytes, list[Pending]] = {}
         self.num_pending = 0
         self.max_pending = max_pending
         self.ring: deque[_Batch] = deque(maxlen=buffer_steps)
 
-    def add(self, topic: bytes, events: list[Event], *, force: bool = False) -> bool:
+    def add(self, topic: bytes, events: list[Pending], *, force: bool = False) -> bool:
         """Queue events; False (nothing queued) when that would exceed ``max_pending``
         (unless ``force``: a resync after an overflow)."""
         if not force and self.num_pending + len(events) > self.max_pending:
@@ -166,6 +169,8 @@ class ZmqPublisher:
             with self._lock:
                 while not self._stop and not self._log.num_pending:
                     self._wake.wait(0.5)
+            time.sleep(LINGER_S)  # let a store's other chunks join the batch
+            with self._lock:
                 self._log.flush()
                 batches = self._log.since(self._last_sent + 1)
                 stop = self._stop

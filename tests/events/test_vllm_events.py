@@ -29,7 +29,7 @@ from tests.events.engines import VllmReader, events_env, of_type, start_engine
 from tests.vllm.conftest import require_vllm_venv
 from tests.vllm.e2e import tiny_model_namespace
 
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(600)]
 CHUNK = 128  # the plugin's default on the CPU backend: one vLLM block per chunk
 
 
