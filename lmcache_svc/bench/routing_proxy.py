@@ -105,7 +105,10 @@ class Router:
         try:
             head = await reader.readuntil(b"\r\n\r\n")
             lines = head.decode("latin-1").split("\r\n")
-            headers = {k.strip().lower(): v.strip() for k, _, v in (x.partition(":") for x in lines[1:] if x)}
+            headers = {
+                k.strip().lower(): v.strip()
+                for k, _, v in (x.partition(":") for x in lines[1:] if x)
+            }
             body = await reader.readexactly(int(headers.get("content-length", "0")))
             i = 0
             if lines[0].startswith("POST") and body:

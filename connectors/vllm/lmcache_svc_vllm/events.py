@@ -206,6 +206,8 @@ class EngineEvents:
             lora_id=None,
             medium=event.medium,
             lora_name=None,
+            group_idx=0,  # the engine's one full-attention group, as its own GPU blocks
+            kv_cache_spec_kind="full_attention",
             locality=event.locality,
         )
 
@@ -214,7 +216,9 @@ class EngineEvents:
         gone = [announced.pop(h) for h in event.block_hashes if h in announced]
         if not gone:
             return None
-        return BlockRemoved(block_hashes=gone, medium=event.medium, locality=event.locality)
+        return BlockRemoved(
+            block_hashes=gone, medium=event.medium, group_idx=0, locality=event.locality
+        )
 
     def _cleared(self) -> list[KVCacheEvent]:
         """The server's stream was cleared: remove everything announced from it."""
@@ -225,6 +229,7 @@ class EngineEvents:
                     BlockRemoved(
                         block_hashes=list(announced.values()),
                         medium=medium or None,
+                        group_idx=0,
                         locality=locality or None,
                     )
                 )
