@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
+import zmq
 
 from lmcache_svc.arena import Arena
 from lmcache_svc.cache import TieredCache
@@ -16,7 +18,7 @@ from lmcache_svc.events.format import AllBlocksCleared, BlockRemoved, BlockStore
 from lmcache_svc.events.metrics import EventMetrics
 from lmcache_svc.events.node_stream import NodeEvents, block_hashes
 from lmcache_svc.events.settings import EventsSettings
-from lmcache_svc.keys import chunk_hashes
+from lmcache_svc.keys import Namespace, chunk_hashes
 from lmcache_svc.metrics import Metrics
 from lmcache_svc.tiers.cpu import CpuTier
 from lmcache_svc.tiers.ssd import SsdTier
@@ -55,15 +57,17 @@ def tokens_of(seed: int, num_chunks: int) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, 50_000, num_chunks * CHUNK_TOKENS)
 
 
-def store(cache: TieredCache, tokens: np.ndarray) -> list[bytes]:
+def store(cache: TieredCache, tokens: np.ndarray, ns: Namespace = NS) -> list[bytes]:
     """Store every chunk of ``tokens`` inline, described by its tokens and parent."""
-    hashes = chunk_hashes(NS, tokens)
+    hashes = chunk_hashes(ns, tokens)
+    size = ns.chunk_size
     for i, h in enumerate(hashes):
-        part = tokens[i * CHUNK_TOKENS : (i + 1) * CHUNK_TOKENS].astype("<u4").tobytes()
+        part = tokens[i * size : (i + 1) * size].astype("<u4").tobytes()
         parent = hashes[i - 1] if i else b""
         cache.put(
-            NS.namespace_id, h, make_chunk(h.hex(), CHUNK), token_ids=part, parent_hash=parent
-        )
+            ns.namespace_id, h, make_chunk(h.hex(), ns.chunk_bytes), token_ids=part,
+            parent_hash=parent,
+        )  # fmt: skip
     return hashes
 
 
@@ -139,3 +143,45 @@ def test_replay_and_snapshot(node) -> None:
     assert [e.block_hashes for e in snap] == [block_hashes(h, 2) for h in hashes]
     assert {r.seq for r in got} == {sub.got[-1].seq}
     assert epoch[:16] == events.publisher.epoch
+
+
+def test_a_subscriber_that_never_reads_loses_only_what_the_replay_covers(tmp_path: Path) -> None:
+    settings = EventsSettings(
+        enabled=True,
+        endpoint=f"ipc://{tmp_path}/pub",
+        replay_endpoint=f"ipc://{tmp_path}/replay",
+        node="n1",
+        hwm=4,  # a subscriber more than 4 messages behind loses messages
+    )
+    metrics = Metrics()
+    events = NodeEvents(settings, EventMetrics(metrics.registry))
+    big = make_namespace(chunk_size=4096, layout=make_layout(block_size=16))  # 16 KiB events
+    arena = Arena.create(48 * big.chunk_bytes, slab_bytes=big.chunk_bytes, prefault="off")
+    cache = TieredCache(CpuTier(arena), metrics=metrics, listener=events)
+    stuck = Subscriber(events.publisher.endpoint)
+    stuck.sock.setsockopt(zmq.RCVHWM, 4)
+    stuck.drain(200)
+    try:
+        cache.register_namespace(big)
+        deadline = time.monotonic() + 20
+        for seed in range(40):  # forty batches while one subscriber reads nothing
+            store(cache, np.random.default_rng(seed).integers(0, 50_000, 4096), big)
+            while True:  # this store is numbered and sent: the next one is another batch
+                last = replay(settings.replay_endpoint, 0)
+                if len(stored([e for r in last for e in r.batch.events], "CPU")) == seed + 1:
+                    break
+                assert time.monotonic() < deadline, "the stores were never all published"
+        got = stuck.drain(200)
+        seqs = [r.seq for r in got]
+        assert last[-1].seq >= max(seqs)
+        missed = sorted(set(range(last[-1].seq + 1)) - set(seqs))
+        assert missed, "the stuck subscriber should have lost messages at its high-water mark"
+        recovered = {r.seq: r for r in replay(settings.replay_endpoint, missed[0])}
+        view = [e for s in range(last[-1].seq + 1) for e in (
+            recovered[s] if s in recovered else next(r for r in got if r.seq == s)
+        ).batch.events]  # fmt: skip
+        assert len(stored(view, "CPU")) == 40
+    finally:
+        stuck.close()
+        cache.close()
+        events.close()

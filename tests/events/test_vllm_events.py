@@ -97,7 +97,7 @@ def stepped(node: Node, events: list[dict], kind: str, medium: str, num_blocks: 
 def test_the_sidecars_chunks_carry_the_engines_own_block_hashes(node: Node) -> None:
     tokens = prompt(1, 4 * CHUNK + 50)
     node.engine.generate([tokens], 4)
-    events = node.engine_stream.wait_for(lambda ev: len(of_type(ev, "BlockStored", "CPU")) >= 4)
+    events = node.engine_stream.wait_for(lambda ev: stepped(node, ev, "BlockStored", "CPU", 4))
     cpu = of_type(events, "BlockStored", "CPU")
     gpu_hash_of = {  # vLLM's own events: several blocks per event
         tuple(e["token_ids"][j * CHUNK : (j + 1) * CHUNK]): h
