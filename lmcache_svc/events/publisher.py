@@ -259,6 +259,7 @@ def _bind(sock: zmq.Socket[bytes], endpoint: str, what: str) -> str:
     """Bind ``endpoint`` (``tcp://host:0`` picks a free port); the endpoint bound."""
     if endpoint.startswith("tcp://") and endpoint.endswith(":0"):
         endpoint = endpoint[:-2] + ":*"
+    sock.setsockopt(zmq.IPV6, 1)  # tcp://[::1]:port too
     try:
         sock.bind(endpoint)
     except zmq.ZMQError as e:

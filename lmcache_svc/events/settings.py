@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import ipaddress
 import socket
 import string
 
@@ -87,10 +86,6 @@ class EventsSettings(BaseModel):
 def _loopback(endpoint: str) -> bool:
     if endpoint.startswith("ipc://"):
         return True
-    host = endpoint[len("tcp://") :].rpartition(":")[0].strip("[]")
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
+    from lmcache_svc.config import _is_loopback  # config imports this module
+
+    return _is_loopback(endpoint[len("tcp://") :].rpartition(":")[0].strip("[]"))
