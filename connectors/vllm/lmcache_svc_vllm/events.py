@@ -51,6 +51,8 @@ MAX_HASHES = 1 << 20
 """Server block hash -> engine block hash entries kept to chain children (LRU)."""
 IDLE_PROBE_S = 2.0
 """With no message for this long, ask the server's epoch (a restart of an idle server)."""
+UNPUBLISHED_RETRY_S = 30.0
+"""How often to ask again a server that answers but does not publish this namespace."""
 _END = -1
 
 
@@ -90,10 +92,14 @@ class EngineEvents:
         while not self._stop.is_set():
             source = self._link.register()
             if source is None or source.replay_endpoint is None:
-                self._stop.wait(1.0)  # not published (yet), or the server is down
+                # the server is down (ask again soon) or does not publish this namespace
+                self._stop.wait(1.0 if self._link.is_down else UNPUBLISHED_RETRY_S)
                 continue
             try:
                 self._follow(source)
+            except (TimeoutError, zmq.ZMQError) as e:  # the server went away: start over
+                logger.warning("lmcache-svc: the server's KV event stream stopped: %s", e)
+                self._stop.wait(1.0)
             except Exception:  # never into vLLM; start over
                 logger.exception("lmcache-svc: following the server's KV events failed")
                 self._stop.wait(1.0)
