@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from lmcache_svc.bench.procs import ServerProc, start_server
+from lmcache_svc.bench.procs import ServerProc, free_port, start_server
 from lmcache_svc.bench.vllm.engines import VLLM_PYTHON, EngineProc, kv_transfer_config
 
 HERE = Path(__file__).resolve().parent
@@ -37,9 +37,11 @@ def start_events_server(tmp: Path, *args: str, **env: str) -> ServerProc:
 def start_engine(
     name: str, model_dir: Path, tmp: Path, server: ServerProc, **extra: Any
 ) -> tuple[EngineProc, str]:
-    """An engine with the plugin and vLLM's own event stream (an ipc endpoint: vLLM binds
-    it, nothing leaves the host); returns it and that endpoint."""
-    endpoint = f"ipc://{tmp}/engine-{name}.events"
+    """An engine with the plugin and vLLM's own event stream; returns it and the endpoint
+    to read it at. vLLM binds a wildcard address (``tcp://*:port``; a literal address
+    makes it connect instead); the readers use loopback."""
+    port = free_port()
+    endpoint = f"tcp://127.0.0.1:{port}"
     engine = EngineProc.start(
         name,
         model_dir,
@@ -48,7 +50,7 @@ def start_engine(
         kv_events_config={
             "enable_kv_cache_events": True,
             "publisher": "zmq",
-            "endpoint": endpoint,
+            "endpoint": f"tcp://*:{port}",
             "topic": f"engine-{name}",
         },
     )
@@ -94,6 +96,12 @@ class VllmReader:
                 self.events.append(json.loads(self._lines.get(timeout=min(left, 0.5))))
             except queue.Empty:
                 continue
+        return self.events
+
+    def drain(self) -> list[dict[str, Any]]:
+        """Every event read so far."""
+        while not self._lines.empty():
+            self.events.append(json.loads(self._lines.get()))
         return self.events
 
     def stop(self) -> None:

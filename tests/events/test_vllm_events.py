@@ -128,13 +128,21 @@ def test_the_sidecars_chunks_carry_the_engines_own_block_hashes(node: Node) -> N
     assert sorted(removed) == sorted(e["block_hashes"][0] for e in cpu[:4])
 
 
-def poll(node: Node, check: Any, what: str, timeout_s: float = 60) -> None:
+def poll(node: Node, check: Any, what: str, timeout_s: float = 60, node_tokens: Any = ()) -> None:
     """Until ``check()`` holds, stepping the engine (its connector's events are taken in
     steps) between tries."""
     deadline = time.monotonic() + timeout_s
     while not check():
         if time.monotonic() > deadline:
-            raise AssertionError(f"{what}: not reached in {timeout_s} s; {node.indexer.log()}")
+            seen = node.engine_stream.drain()
+            cpu = [
+                (e["type"], e.get("seq"), e.get("medium"), e.get("block_hashes", [])[:2])
+                for e in seen
+            ][-12:]
+            raise AssertionError(
+                f"{what}: not reached in {timeout_s} s; the engine's last events {cpu}; "
+                f"{node.indexer.query(list(node_tokens))}; {node.indexer.log()}"
+            )
         node.engine.generate([prompt(98, 8)], 1)
         time.sleep(0.2)
 
@@ -156,32 +164,60 @@ def store_as_another_engine(node: Node, tokens: list[int]) -> list[bytes]:
     return hashes
 
 
-def test_dynamo_scores_the_engine_for_its_sidecars_tiers(node: Node) -> None:
+def test_the_engine_announces_chunks_other_engines_stored(node: Node) -> None:
+    tokens = prompt(4, 3 * CHUNK + 10)
+    store_as_another_engine(node, tokens)
+    blocks = [tokens[i * CHUNK : (i + 1) * CHUNK] for i in range(3)]
+
+    def announced(events: list[dict]) -> bool:
+        mine = [e for e in of_type(events, "BlockStored", "CPU") if e["token_ids"] in blocks]
+        if len(mine) == 3:
+            return True
+        node.engine.generate([prompt(97, 8)], 1)  # a step: vLLM takes the events
+        return False
+
+    events = node.engine_stream.wait_for(announced)
+    mine = [e for e in of_type(events, "BlockStored", "CPU") if e["token_ids"] in blocks]
+    assert [e["token_ids"] for e in mine] == blocks
+    assert mine[0]["parent_block_hash"] is None
+    assert [e["parent_block_hash"] for e in mine[1:]] == [e["block_hashes"][0] for e in mine[:2]]
+
+
+def test_dynamo_scores_the_node_for_its_tiers(node: Node) -> None:
+    """Dynamo's indexer on the node stream (worker 2) and on the engine's (worker 1)."""
     idx = node.indexer
     computed = prompt(3, 2 * CHUNK + 10)
-    node.engine.generate([computed], 2)  # vLLM's own blocks and the sidecar's, both
+    node.engine.generate([computed], 2)  # vLLM's own blocks, and the sidecar's
     poll(node, lambda: idx.matched(computed, 1, "gpu") == 2 * CHUNK, "the engine's GPU blocks")
+    poll(node, lambda: idx.matched(computed, 2, "cpu") == 2 * CHUNK, "the node's CPU blocks")
 
     tokens = prompt(2, 4 * CHUNK + 30)
     hashes = store_as_another_engine(node, tokens)
     full = 4 * CHUNK
-    poll(node, lambda: idx.matched(tokens, 1, "cpu") == full, "the engine's CPU blocks")
-    poll(node, lambda: idx.matched(tokens, 2, "cpu") == full, "the node's CPU blocks")
-    assert idx.matched(tokens, 1, "gpu") == 0  # only the sidecar holds them
+    poll(node, lambda: idx.matched(tokens, 2, "cpu") == full, "another engine's chunks")
 
-    # the sidecar drops the last two chunks: the CPU match shrinks to two blocks
+    # the sidecar drops the last two chunks: the node's CPU match shrinks to two blocks
     namespace = tiny_model_namespace(node.model_dir, chunk_size=CHUNK)
     with CacheClient(node.server.socket, timeout_s=5) as client:
         ns_id = client.register_namespace(namespace)
         assert client.delete(ns_id, hashes[2:]) == 2
-    poll(node, lambda: idx.matched(tokens, 1, "cpu") == 2 * CHUNK, "removal in the engine's")
-    poll(node, lambda: idx.matched(tokens, 2, "cpu") == 2 * CHUNK, "removal in the node's")
+    poll(node, lambda: idx.matched(tokens, 2, "cpu") == 2 * CHUNK, "the removal")
 
-    # a sidecar restart: nothing of it is left in either stream, vLLM's own blocks stay
+    # a sidecar restart clears the node; vLLM's own blocks stay the engine's
     old = node.server
     old.stop()  # SIGTERM: the socket and the segment go, the socket's directory stays
     node.server = start_server(node.tmp, env=node.server_env, socket_path=old.socket)
     node.old_workdirs.append(old.workdir)
-    poll(node, lambda: idx.matched(tokens, 1, "cpu") == 0, "the restart in the engine's")
-    poll(node, lambda: idx.matched(tokens, 2, "cpu") == 0, "the restart in the node's")
+    poll(node, lambda: idx.matched(tokens, 2, "cpu") == 0, "the restart")
     assert idx.matched(computed, 1, "gpu") == 2 * CHUNK
+
+    # and the engine's own stream removes every block it announced from the old sidecar
+    def all_removed(events: list[dict]) -> bool:
+        cpu = {h for e in of_type(events, "BlockStored", "CPU") for h in e["block_hashes"]}
+        gone = {h for e in of_type(events, "BlockRemoved", "CPU") for h in e["block_hashes"]}
+        if cpu and gone == cpu:
+            return True
+        node.engine.generate([prompt(96, 8)], 1)
+        return False
+
+    node.engine_stream.wait_for(all_removed)
