@@ -113,6 +113,7 @@ class NodeEvents:
             hwm=settings.hwm,
             on_sent=metrics.batches.inc,
             on_lost=metrics.dropped_batches.inc,
+            on_subscribed=self._subscribed,
         )
 
     # -- the ChunkListener interface -------------------------------------------------------
@@ -139,6 +140,17 @@ class NodeEvents:
                 topic, block_size, max(1, namespace.chunk_size // block_size), namespace
             )
             self._queue(topic, [AllBlocksCleared()])
+
+    def _subscribed(self) -> None:
+        """A subscriber (re)connected: every topic on which nothing is announced yet starts
+        again with ``AllBlocksCleared`` (harmless to anyone: there is nothing to clear), so a
+        router that reconnects to a restarted server hears of the restart, even if it missed
+        the first one."""
+        with self._lock:
+            held = {self._topic_of_key(k) for keys in self._announced.values() for k in keys}
+            for topic in self._topics:
+                if topic not in held:
+                    self._queue(topic, [AllBlocksCleared()])
 
     def topic_of(self, namespace_id: bytes) -> str | None:
         pub = self._published.get(NamespaceId(bytes(namespace_id)))

@@ -45,6 +45,8 @@ log = logging.getLogger(__name__)
 LINGER_S = 0.002
 """How long the publisher waits after the first pending event, so that the chunks of one
 store go out in one batch (and the store path is not interrupted once per chunk)."""
+SUBSCRIPTION_POLL_S = 0.1
+"""How often an idle publisher looks for new subscriptions."""
 SnapshotFn = Callable[[bytes], tuple[int, list[list[Pending]]]]
 """topic -> (sequence covered, batches of events)."""
 
@@ -132,14 +134,17 @@ class ZmqPublisher:
         hwm: int = 100_000,
         on_sent: Callable[[int], None] = lambda n: None,
         on_lost: Callable[[int], None] = lambda n: None,
+        on_subscribed: Callable[[], None] = lambda: None,
     ) -> None:
         self._lock = lock
         self._log = log_
         self._snapshot = snapshot
         self._on_sent, self._on_lost = on_sent, on_lost
+        self._on_subscribed = on_subscribed
         self.epoch = os.urandom(16)
         self._ctx = zmq.Context()
-        self._pub = self._ctx.socket(zmq.PUB)
+        self._pub = self._ctx.socket(zmq.XPUB)  # a PUB that also hears subscriptions
+        self._pub.setsockopt(zmq.XPUB_VERBOSE, 1)  # every one, not only new topics
         self._pub.set_hwm(hwm)
         self._pub.setsockopt(zmq.LINGER, 0)
         self.endpoint = _bind(self._pub, endpoint, "events.endpoint")
@@ -166,9 +171,12 @@ class ZmqPublisher:
 
     def _run_pub(self) -> None:
         while True:
+            self._heard_subscriptions()
             with self._lock:
-                while not self._stop and not self._log.num_pending:
-                    self._wake.wait(0.5)
+                if not self._stop and not self._log.num_pending:
+                    self._wake.wait(SUBSCRIPTION_POLL_S)
+                if not self._stop and not self._log.num_pending:
+                    continue
             time.sleep(LINGER_S)  # let a store's other chunks join the batch
             with self._lock:
                 self._log.flush()
@@ -177,6 +185,15 @@ class ZmqPublisher:
             self._send(batches)
             if stop:
                 return
+
+    def _heard_subscriptions(self) -> None:
+        """A subscriber (re)connected: tell the owner (it may repeat a restart's clear)."""
+        heard = False
+        while self._pub.poll(0):
+            frame = self._pub.recv()
+            heard = heard or frame[:1] == b"\x01"
+        if heard:
+            self._on_subscribed()
 
     def _send(self, batches: list[_Batch]) -> None:
         if not batches:

@@ -185,3 +185,26 @@ def test_a_subscriber_that_never_reads_loses_only_what_the_replay_covers(tmp_pat
         stuck.close()
         cache.close()
         events.close()
+
+
+def test_a_subscriber_that_connects_late_still_hears_a_restart_while_nothing_is_held(
+    node,
+) -> None:
+    cache, events, early = node
+    early.wait_for(lambda ev: any(isinstance(e, AllBlocksCleared) for e in ev))
+    late = Subscriber(events.publisher.endpoint)  # e.g. a router reconnecting after a restart
+    try:
+        late.wait_for(lambda ev: any(isinstance(e, AllBlocksCleared) for e in ev))
+        store(cache, tokens_of(9, 1))
+        early.wait_for(lambda ev: len(stored(ev, "CPU")) == 1)
+        clears = sum(isinstance(e, AllBlocksCleared) for e in early.events())
+        third = Subscriber(events.publisher.endpoint)  # something is held now: no clear
+        try:
+            third.drain(300)
+            store(cache, tokens_of(10, 1))
+            early.wait_for(lambda ev: len(stored(ev, "CPU")) == 2)
+            assert sum(isinstance(e, AllBlocksCleared) for e in early.events()) == clears
+        finally:
+            third.close()
+    finally:
+        late.close()
