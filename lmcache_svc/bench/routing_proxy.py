@@ -28,10 +28,11 @@ def round_robin() -> Policy:
     return lambda tokens, in_flight: next(counter) % len(in_flight)
 
 
-def by_index(indexer_url: str, timeout_s: float = 2.0) -> Policy:
-    """The backend whose KV (any tier) matches the longest prefix of the prompt, by the
-    indexer's ``/query`` (workers numbered from 1); ties (and no match) go to the backend
-    with the fewest requests in flight."""
+def by_index(indexer_url: str, timeout_s: float = 2.0, load_tokens: int = 512) -> Policy:
+    """The backend with the best cost by the indexer's ``/query`` (workers numbered from
+    1): prompt tokens its KV (any tier) already holds, minus ``load_tokens`` per request it
+    has in flight (as Dynamo's own router weighs overlap against load), so one engine does
+    not take every request of a shared system prompt; ties go to the lower index."""
 
     def choose(tokens: list[int], in_flight: list[int]) -> int:
         matched = [0] * len(in_flight)
@@ -48,7 +49,9 @@ def by_index(indexer_url: str, timeout_s: float = 2.0) -> Policy:
                     matched[i] = int(found.get("disk", found.get("longest_matched", 0)))
         except (OSError, ValueError):
             pass  # the index is down: load alone decides
-        return max(range(len(in_flight)), key=lambda i: (matched[i], -in_flight[i], -i))
+        return max(
+            range(len(in_flight)), key=lambda i: (matched[i] - load_tokens * in_flight[i], -i)
+        )
 
     return choose
 
