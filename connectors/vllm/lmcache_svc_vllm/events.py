@@ -150,7 +150,10 @@ class EngineEvents:
             replay.close()
 
     def _resync(self, replay: _Replay, topic: bytes) -> tuple[bytes, int]:
-        """Forget what was announced (removals), then announce the server's snapshot."""
+        """Forget what was announced (removals), then announce the server's snapshot. The
+        namespace is registered again first: a restarted server publishes a topic (and
+        tells its own subscribers of the restart) once a namespace maps to it."""
+        self._link.register()
         seq, payloads, epoch = replay.snapshot(topic)
         self.num_resyncs += 1
         self._clear()
