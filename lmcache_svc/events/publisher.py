@@ -78,7 +78,10 @@ class EventLog:
     under that same lock."""
 
     def __init__(self, buffer_steps: int, max_pending: int) -> None:
-        self.next_seq = 0
+        # Microseconds since the epoch: a restarted server goes on above where it stopped
+        # (subscribers that drop batches older than the last they saw, as Dynamo's indexer
+        # does, would otherwise ignore a restarted server until it caught up).
+        self.next_seq = time.time_ns() // 1000
         self._pending: dict[bytes, list[Pending]] = {}
         self.num_pending = 0
         self.max_pending = max_pending

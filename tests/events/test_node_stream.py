@@ -174,10 +174,11 @@ def test_a_subscriber_that_never_reads_loses_only_what_the_replay_covers(tmp_pat
         got = stuck.drain(200)
         seqs = [r.seq for r in got]
         assert last[-1].seq >= max(seqs)
-        missed = sorted(set(range(last[-1].seq + 1)) - set(seqs))
+        first = last[0].seq
+        missed = sorted(set(range(first, last[-1].seq + 1)) - set(seqs))
         assert missed, "the stuck subscriber should have lost messages at its high-water mark"
         recovered = {r.seq: r for r in replay(settings.replay_endpoint, missed[0])}
-        view = [e for s in range(last[-1].seq + 1) for e in (
+        view = [e for s in range(first, last[-1].seq + 1) for e in (
             recovered[s] if s in recovered else next(r for r in got if r.seq == s)
         ).batch.events]  # fmt: skip
         assert len(stored(view, "CPU")) == 40
@@ -208,3 +209,13 @@ def test_a_subscriber_that_connects_late_still_hears_a_restart_while_nothing_is_
             third.close()
     finally:
         late.close()
+
+
+def test_a_restarted_publisher_numbers_on_above_the_old_one() -> None:
+    from lmcache_svc.events.publisher import EventLog
+
+    old = EventLog(buffer_steps=8, max_pending=8)
+    for _ in range(3):
+        old.add(b"t", [AllBlocksCleared()])
+        last = old.flush()
+    assert EventLog(buffer_steps=8, max_pending=8).next_seq > last
