@@ -108,5 +108,6 @@ def test_quick_mode_end_to_end(tmp_path: Path) -> None:
     per_engine = [int(n) for n in rr[7].split("/")]
     assert min(per_engine) > 0 and sum(per_engine) >= 12  # both engines served requests
     assert {t.name.split(" (")[0] for t in report.targets} == {
-        "TTFT p99, rr / events", "store path with events vs without"
+        "TTFT p99, rr / events",
+        "store path with events vs without",
     }
