@@ -28,6 +28,7 @@ from pydantic import (
 
 from lmcache_svc.client.defaults import default_socket_path
 from lmcache_svc.errors import ConfigError
+from lmcache_svc.events.settings import EventsSettings
 
 ENV_PREFIX = "LMCACHE_SVC_"
 _YAML_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
@@ -297,6 +298,7 @@ class Config(_Section):
     redis: RedisConfig = Field(default_factory=RedisConfig)
     cache: CacheConfig = Field(default_factory=CacheConfig)
     memory: MemoryConfig = Field(default_factory=MemoryConfig)
+    events: EventsSettings = Field(default_factory=EventsSettings)
 
     @field_validator("socket_mode", mode="before")
     @classmethod
@@ -319,6 +321,12 @@ class Config(_Section):
                 f"host {self.host!r} is reachable from other machines: set auth_token or "
                 "tokens_file (or allow_unauthenticated: true if a network policy protects "
                 "the port)"
+            )
+        exposed = self.events.exposed() if self.events.enabled else []
+        if exposed and not self.events.allow_remote:
+            raise ValueError(
+                f"events endpoint {exposed[0]} is reachable from other machines and the events "
+                "carry every prompt's token ids: bind loopback, or set events.allow_remote"
             )
         return self
 

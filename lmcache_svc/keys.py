@@ -236,6 +236,15 @@ def chunk_hash(parent: bytes, token_ids: Sequence[int] | np.ndarray) -> ChunkHas
     return ChunkHash(h.digest())
 
 
+def chunk_hash_packed(parent: bytes, packed_token_ids: bytes) -> ChunkHash:
+    """``chunk_hash`` of token ids already packed as ``pack_token_ids`` does (little-endian
+    uint32), without unpacking them."""
+    h = hashlib.sha256(_CHUNK_SEED)
+    h.update(parent)
+    h.update(packed_token_ids)
+    return ChunkHash(h.digest())
+
+
 def chunk_hashes(
     namespace: Namespace,
     token_ids: Sequence[int] | np.ndarray,

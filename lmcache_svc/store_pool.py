@@ -35,6 +35,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from lmcache_svc.client import CacheClient
+from lmcache_svc.client.events import ChunkTokens
 from lmcache_svc.errors import LMCacheSvcError
 
 log = logging.getLogger(__name__)
@@ -103,14 +104,24 @@ class StorePool:
                     break
         return out
 
-    def bind(self, chunk_hashes: Sequence[bytes], slots: Sequence[PooledSlot]) -> int:
+    def bind(
+        self,
+        chunk_hashes: Sequence[bytes],
+        slots: Sequence[PooledSlot],
+        *,
+        described: ChunkTokens | None = None,
+    ) -> int:
         """Commit ``chunk_hashes[i]``, written into ``slots[i]``; returns chunks committed.
-        Slots whose chunk the server had already go back to the pool."""
+        Slots whose chunk the server had already go back to the pool. ``described``: the
+        chunks' tokens and parents, for the server's KV events."""
         if not slots:
             return 0
         try:
             num, kept = self._client.bind_store(
-                self._namespace_id, chunk_hashes, [s.placeholder for s in slots]
+                self._namespace_id,
+                chunk_hashes,
+                [s.placeholder for s in slots],
+                described=described,
             )
         except LMCacheSvcError:  # bound or not: never handed out again; aborted later
             with self._lock:

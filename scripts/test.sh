@@ -11,4 +11,5 @@ scripts/setup_ops.sh
 if [ -z "${LMCACHE_SVC_SKIP_VLLM:-}" ] && [ -f scripts/setup_vllm.sh ]; then
   bash scripts/setup_vllm.sh
 fi
+bash scripts/setup_dynamo.sh  # NVIDIA Dynamo's KV indexer for tests/events
 exec .venv/bin/python -m pytest -q -rs -p tests.skip_check "$@"

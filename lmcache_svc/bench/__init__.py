@@ -47,6 +47,12 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
         "lmcache_svc.bench.scale",
         "server memory per indexed chunk; load time vs prefix length; lookup vs index size",
     ),
+    "routing": (
+        "lmcache_svc.bench.routing",
+        "two engines with a sidecar each (optionally one Redis Cluster behind both), the "
+        "workload routed round robin vs by the KV events through Dynamo's indexer; the "
+        "events' cost on the store path",
+    ),
     "workload": (
         "lmcache_svc.bench.workload",
         "many users in multi-turn conversations against vllm serve, driven by vllm bench "

@@ -56,6 +56,7 @@ class VllmServer:
         serve_args: list[str],
         *,
         timeout_s: float = STARTUP_TIMEOUT_S,
+        env: dict[str, str] | None = None,
     ) -> VllmServer:
         port = free_port()
         cmd = [
@@ -66,7 +67,11 @@ class VllmServer:
         start = time.monotonic()
         with open(log_path, "wb") as log:
             proc = subprocess.Popen(
-                cmd, stdout=log, stderr=subprocess.STDOUT, env=vllm_env(), start_new_session=True
+                cmd,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env={**vllm_env(), **(env or {})},
+                start_new_session=True,
             )
         server = cls(proc, f"http://127.0.0.1:{port}", log_path, 0.0)
         try:

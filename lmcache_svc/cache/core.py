@@ -11,11 +11,13 @@ stats. The paths of the protocol are subclasses of it, one per module (``lookups
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 from lmcache_svc.cache.background_queue import BackgroundQueue, Pace
 from lmcache_svc.cache.chunk_index import ChunkIndex
 from lmcache_svc.cache.first_tier_manager import FirstTierManager
+from lmcache_svc.cache.listener import ChunkListener
 from lmcache_svc.cache.lower_tier_manager import LowerTierManager
 from lmcache_svc.cache.quotas import ReservationBudget
 from lmcache_svc.cache.sessions import Sessions
@@ -27,6 +29,9 @@ from lmcache_svc.keys import ChunkKey, Namespace, NamespaceId, check_namespace_i
 from lmcache_svc.metrics import Metrics
 from lmcache_svc.tiers.base import SegmentInfo, Slot, SlotTier, Tier
 
+if TYPE_CHECKING:
+    from lmcache_svc.events.meta import ChunkMeta
+
 
 class CacheCore:
     def __init__(
@@ -37,19 +42,21 @@ class CacheCore:
         settings: CacheSettings | None = None,
         metrics: Metrics | None = None,
         lookup_index: IndexPublisher | None = None,
+        listener: ChunkListener | None = None,
     ) -> None:
         if not isinstance(first, SlotTier):
             raise TypeError("the first tier must be a SlotTier (clients address it in place)")
         self.settings = settings or CacheSettings()
         self.metrics = metrics or Metrics()
         self._first = first
-        self._lower = LowerTierManager(lower, self.metrics)
+        self.listener = listener
+        self._lower = LowerTierManager(lower, self.metrics, listener)
         self._lock = threading.RLock()
         self._index = ChunkIndex(first.slot_of, self._lock)
         self.lookup_index = lookup_index
         if lookup_index is not None:  # published chunks: see index_publisher.py
-            self._index.on_change = lookup_index.changed
             lookup_index.set_lower_tiers(bool(lower))
+        self._index.on_change = _first_tier_hook(first, lookup_index, listener)
         self._first_tier = FirstTierManager(
             first,
             self._index,
@@ -119,6 +126,8 @@ class CacheCore:
             self._namespaces[namespace.namespace_id] = namespace
             if self.lookup_index is not None:
                 self.lookup_index.add_namespace(namespace)
+            if self.listener is not None:
+                self.listener.namespace_registered(namespace)
             return namespace
 
     def namespace(self, namespace_id: bytes) -> Namespace:
@@ -156,6 +165,23 @@ class CacheCore:
 
     # -- helpers ---------------------------------------------------------------------------
 
+    def _describe(
+        self,
+        namespace_id: bytes,
+        keys: Sequence[ChunkKey],
+        chunk_hashes: Sequence[bytes],
+        token_ids: bytes,
+        parent_hashes: Sequence[bytes],
+    ) -> dict[ChunkKey, ChunkMeta] | None:
+        """The chunks' token ids and parents for the listener (checked against their
+        hashes), or None when nobody listens or the request carries none."""
+        if self.listener is None or not token_ids:
+            return None
+        from lmcache_svc.events.meta import describe_chunks
+
+        ns = self.namespace(namespace_id)
+        return dict(zip(keys, describe_chunks(ns, chunk_hashes, token_ids, parent_hashes)))
+
     def _abort_keys(self, keys: Sequence[ChunkKey]) -> int:
         num = 0
         with self._lock:
@@ -190,3 +216,19 @@ class CacheCore:
             pending_stores=self.num_pending_stores(),
             num_namespaces=num_ns,
         )
+
+
+def _first_tier_hook(
+    first: Tier, lookup_index: IndexPublisher | None, listener: ChunkListener | None
+) -> Callable[[ChunkKey, bool], None] | None:
+    """What the first tier's index calls when a chunk becomes readable or stops being so."""
+    if listener is None:
+        return None if lookup_index is None else lookup_index.changed
+    if lookup_index is None:
+        return lambda key, readable: listener.chunk_changed(first, key, readable)
+
+    def both(key: ChunkKey, readable: bool) -> None:
+        lookup_index.changed(key, readable)
+        listener.chunk_changed(first, key, readable)
+
+    return both

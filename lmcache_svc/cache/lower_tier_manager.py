@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from lmcache_svc.breaker import STATE_CODES, CircuitBreaker
+from lmcache_svc.cache.listener import ChunkListener
 from lmcache_svc.cache.values import TierPolicy
 from lmcache_svc.errors import Corrupted, TierError
 from lmcache_svc.keys import CHUNK_KEY_BYTES, ChunkKey
@@ -65,8 +66,14 @@ class LowerTierState:
 
 
 class LowerTierManager:
-    def __init__(self, tiers: Sequence[tuple[Tier, TierPolicy]], metrics: Metrics) -> None:
+    def __init__(
+        self,
+        tiers: Sequence[tuple[Tier, TierPolicy]],
+        metrics: Metrics,
+        listener: ChunkListener | None = None,
+    ) -> None:
         self._metrics = metrics
+        self._listener = listener
         self._lock = threading.Lock()
         self._tiers = [self._make(t, p) for t, p in tiers]
         self._resyncing: set[str] = set()
@@ -74,11 +81,18 @@ class LowerTierManager:
 
     def _make(self, tier: Tier, policy: TierPolicy) -> LowerTierState:
         trips = self._metrics.breaker_trips.labels(tier=tier.name)
+        listener = self._listener
+
+        def tripped() -> None:
+            trips.inc()
+            if listener is not None:  # nothing in it is loadable until it is resynced
+                listener.tier_contents(tier, None)
+
         breaker = CircuitBreaker(
             base_backoff_s=policy.backoff_s,
             max_backoff_s=policy.max_backoff_s,
             slow_call_s=policy.slow_call_s,
-            on_trip=trips.inc,
+            on_trip=tripped,
         )
         self._metrics.breaker_state.labels(tier=tier.name).set_function(
             lambda: STATE_CODES[breaker.state]
@@ -153,8 +167,10 @@ class LowerTierManager:
                             lt.index.move_to_end(key)
                         elif not lt.tier.shared:
                             lt.index[key] = len(out)
+                            self._changed(lt, key, True)
                     elif _gone(result):
                         lt.index.pop(key, None)
+                        self._changed(lt, key, False)
         return ok
 
     # -- writes ----------------------------------------------------------------------------
@@ -205,6 +221,7 @@ class LowerTierManager:
     def _stored(self, lt: LowerTierState, key: ChunkKey, size: int) -> None:
         with self._lock:
             lt.index[key] = size
+            self._changed(lt, key, True)
         self._metrics.bytes_written.labels(tier=lt.tier.name).inc(size)
 
     def _evict_one(self, position: int) -> bool:
@@ -214,6 +231,7 @@ class LowerTierManager:
             if not lt.index:
                 return False
             key, size = lt.index.popitem(last=False)
+            self._changed(lt, key, False)
         if any(x.policy.accept_demotions for x in self._tiers[position + 1 :]):
             data = memoryview(bytearray(size))
             if self._call(lt, "read", False, lt.tier.read_into, key, data):
@@ -230,6 +248,7 @@ class LowerTierManager:
             if key not in lt.index:
                 lt.index[key] = size
                 lt.index.move_to_end(key, last=False)
+                self._changed(lt, key, True)
 
     def delete(self, key: ChunkKey) -> bool:
         """Remove the chunk from every lower tier; True if one of them held it."""
@@ -237,6 +256,7 @@ class LowerTierManager:
         for lt in self._tiers:
             with self._lock:
                 size = lt.index.pop(key, None)
+                self._changed(lt, key, False)
             if size is None and not lt.tier.shared:
                 continue
             deleted = self._call(lt, "delete", None, lt.tier.delete, key)
@@ -349,6 +369,8 @@ class LowerTierManager:
                 for key, size in found.items():
                     index.setdefault(key, size)
                 lt.index = index
+                if self._listener is not None:
+                    self._listener.tier_contents(lt.tier, list(index))
             self._metrics.resyncs.labels(tier=lt.tier.name).inc()
             log.info(
                 "tier %s resynced: %d chunks found, %d known chunks gone",
@@ -360,6 +382,10 @@ class LowerTierManager:
         finally:
             with self._lock:
                 self._resyncing.discard(lt.tier.name)
+
+    def _changed(self, lt: LowerTierState, key: ChunkKey, loadable: bool) -> None:
+        if self._listener is not None:
+            self._listener.chunk_changed(lt.tier, key, loadable)
 
     def _failed(self, tier: Tier, error: TierError) -> None:
         log.warning("tier %s failed: %s", tier.name, error)

@@ -23,6 +23,8 @@ class PlaceholderBinding(StorePath):
         reserved_as: Sequence[bytes],
         *,
         session_id: str | None = None,
+        token_ids: bytes = b"",
+        parent_hashes: Sequence[bytes] = (),
     ) -> tuple[int, list[bytes]]:
         """Commit pooled reservations under the chunks written into them: the slot reserved
         for placeholder ``reserved_as[i]`` becomes chunk ``chunk_hashes[i]``. Returns (chunks
@@ -34,6 +36,7 @@ class PlaceholderBinding(StorePath):
                 f"{len(chunk_hashes)} chunk hashes but {len(reserved_as)} reserved_as hashes"
             )
         keys = self._keys(namespace_id, chunk_hashes)
+        metas = self._describe(namespace_id, keys, chunk_hashes, token_ids, parent_hashes)
         placeholders = self._keys(namespace_id, reserved_as)
         bound: list[ChunkKey] = []
         kept: list[bytes] = []
@@ -48,4 +51,4 @@ class PlaceholderBinding(StorePath):
                 bound.append(key)
             # under the same hold: the reaper cannot expire a rekeyed reservation before
             # its commit (it would stay quarantined under the chunk's own key)
-            return self._commit_keys(bound, session_id), kept
+            return self._commit_keys(bound, session_id, metas), kept

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import secrets
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
 
 from lmcache_svc.cache.chunk_index import Entry
 from lmcache_svc.cache.core import CacheCore
@@ -22,6 +23,9 @@ from lmcache_svc.cache.values import PreparedStore, StoreStatus
 from lmcache_svc.errors import ReservationExpired, SizeMismatch
 from lmcache_svc.keys import ChunkHash, ChunkKey, make_chunk_keys
 from lmcache_svc.tiers.base import Buffer, Slot
+
+if TYPE_CHECKING:
+    from lmcache_svc.events.meta import ChunkMeta
 
 
 class StorePath(CacheCore):
@@ -67,9 +71,19 @@ class StorePath(CacheCore):
         return ("reserved", slot) if slot is not None else ("no_space", None)
 
     def commit_store(
-        self, namespace_id: bytes, chunk_hashes: Sequence[bytes], *, session_id: str | None = None
+        self,
+        namespace_id: bytes,
+        chunk_hashes: Sequence[bytes],
+        *,
+        session_id: str | None = None,
+        token_ids: bytes = b"",
+        parent_hashes: Sequence[bytes] = (),
     ) -> int:
-        return self._commit_keys(self._keys(namespace_id, chunk_hashes), session_id)
+        """Publish reserved chunks; ``token_ids`` and ``parent_hashes`` (optional, checked
+        against the hashes) describe them for the KV events (``events/meta.py``)."""
+        keys = self._keys(namespace_id, chunk_hashes)
+        metas = self._describe(namespace_id, keys, chunk_hashes, token_ids, parent_hashes)
+        return self._commit_keys(keys, session_id, metas)
 
     def _live_reservation(self, key: ChunkKey, owner: str | None) -> Entry | None:
         """``owner``'s reservation of ``key`` while it may still be committed; one past its
@@ -83,13 +97,20 @@ class StorePath(CacheCore):
             return None
         return entry
 
-    def _commit_keys(self, keys: Sequence[ChunkKey], session_id: str | None) -> int:
+    def _commit_keys(
+        self,
+        keys: Sequence[ChunkKey],
+        session_id: str | None,
+        metas: Mapping[ChunkKey, ChunkMeta] | None = None,
+    ) -> int:
         committed: list[ChunkKey] = []
         with self._lock:
             for key in keys:
                 entry = self._live_reservation(key, session_id)
                 if entry is None:
                     continue
+                if metas and self.listener is not None and key in metas:
+                    self.listener.chunk_described(key, metas[key])
                 self._index.mark_ready(key, entry)
                 self._index.touch(key)
                 self.metrics.bytes_written.labels(tier=self._first.name).inc(entry.slot.length)
@@ -112,8 +133,17 @@ class StorePath(CacheCore):
             ]
         return self._abort_keys(owned)
 
-    def put(self, namespace_id: bytes, chunk_hash: bytes, data: Buffer) -> str:
-        """Store one chunk given inline; returns the prepare status ('reserved' = stored)."""
+    def put(
+        self,
+        namespace_id: bytes,
+        chunk_hash: bytes,
+        data: Buffer,
+        *,
+        token_ids: bytes = b"",
+        parent_hash: bytes = b"",
+    ) -> str:
+        """Store one chunk given inline; returns the prepare status ('reserved' = stored).
+        ``token_ids`` and ``parent_hash`` describe it as in ``commit_store``."""
         ns = self.namespace(namespace_id)
         if len(data) != ns.chunk_bytes:
             raise SizeMismatch(
@@ -128,7 +158,15 @@ class StorePath(CacheCore):
             except BaseException:
                 self.abort_store(namespace_id, [chunk_hash], session_id=owner)
                 raise
-            if not self.commit_store(namespace_id, [chunk_hash], session_id=owner):
+            try:
+                committed = self.commit_store(
+                    namespace_id, [chunk_hash], session_id=owner, token_ids=token_ids,
+                    parent_hashes=[parent_hash] if token_ids else (),
+                )  # fmt: skip
+            except BaseException:
+                self.abort_store(namespace_id, [chunk_hash], session_id=owner)
+                raise
+            if not committed:
                 raise ReservationExpired(
                     f"chunk {bytes(chunk_hash).hex()} was not stored: its reservation expired"
                 )

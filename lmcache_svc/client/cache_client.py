@@ -27,6 +27,7 @@ import grpc
 
 from lmcache_svc import errors
 from lmcache_svc.arena import ArenaMapping
+from lmcache_svc.client.events import ChunkTokens, EventsSource
 from lmcache_svc.client.lookup_reports import (
     DEFAULT_REPORT_INTERVAL_S,
     REPORT_TIMEOUT_S,
@@ -80,6 +81,7 @@ class CacheClient(MemoryCalls):
         self._local_lookup = local_lookup
         self._reports = LookupReporter(self._send_report, interval_s=report_interval_s)
         self._namespaces: dict[bytes, Namespace] = {}
+        self._events: dict[bytes, EventsSource] = {}
         self._session: Session | None = None
         self._lock = threading.Lock()
 
@@ -162,7 +164,18 @@ class CacheClient(MemoryCalls):
             pb.RegisterNamespaceRequest(namespace=namespace_to_pb(namespace)),
         )
         self._namespaces[bytes(resp.namespace_id)] = namespace
+        if resp.events_topic:
+            self._events[bytes(resp.namespace_id)] = EventsSource(
+                resp.events_topic, resp.events_endpoint, resp.events_replay_endpoint or None
+            )
+        else:
+            self._events.pop(bytes(resp.namespace_id), None)
         return NamespaceId(bytes(resp.namespace_id))
+
+    def events_source(self, namespace_id: bytes) -> EventsSource | None:
+        """Where the server announces this namespace's chunks (KV events, docs/events.md),
+        as of its last registration; None when they are not published."""
+        return self._events.get(bytes(namespace_id))
 
     def lookup(
         self, namespace_id: bytes, chunk_hashes: Sequence[bytes], *, timeout_s: float | None = None
@@ -221,17 +234,32 @@ class CacheClient(MemoryCalls):
         return store_slots(prepared, self._mapping_for(session, prepared.segment_name))
 
     def commit_store(
-        self, namespace_id: bytes, chunk_hashes: Sequence[bytes], *, abort: bool = False
+        self,
+        namespace_id: bytes,
+        chunk_hashes: Sequence[bytes],
+        *,
+        abort: bool = False,
+        described: ChunkTokens | None = None,
     ) -> int:
-        return int(self._commit(namespace_id, chunk_hashes, abort=abort).num_committed)
+        """Publish written slots (or give them back); ``described``: the chunks' token ids
+        and parents, for the server's KV events."""
+        resp = self._commit(namespace_id, chunk_hashes, abort=abort, described=described)
+        return int(resp.num_committed)
 
     def bind_store(
-        self, namespace_id: bytes, chunk_hashes: Sequence[bytes], reserved_as: Sequence[bytes]
+        self,
+        namespace_id: bytes,
+        chunk_hashes: Sequence[bytes],
+        reserved_as: Sequence[bytes],
+        *,
+        described: ChunkTokens | None = None,
     ) -> tuple[int, list[bytes]]:
         """Commit chunks written into pooled slots (``reserved_as[i]``: the placeholder hash
         the slot holding ``chunk_hashes[i]`` was reserved for; see ``StorePool``). Returns
         (chunks committed, placeholders still reserved because their chunk was stored)."""
-        resp = self._commit(namespace_id, chunk_hashes, reserved_as=reserved_as)
+        resp = self._commit(
+            namespace_id, chunk_hashes, reserved_as=reserved_as, described=described
+        )
         return int(resp.num_committed), [bytes(k) for k in resp.kept]
 
     def _commit(
@@ -241,18 +269,19 @@ class CacheClient(MemoryCalls):
         *,
         abort: bool = False,
         reserved_as: Sequence[bytes] = (),
+        described: ChunkTokens | None = None,
     ) -> pb.CommitStoreResponse:
         """One CommitStore in the live session (``commit_store`` and ``bind_store``)."""
-        resp: pb.CommitStoreResponse = self._ns_call(
-            self._stub.CommitStore,
-            pb.CommitStoreRequest(
-                namespace_id=namespace_id,
-                chunk_hashes=chunk_hashes,
-                session_id=self._live_session().session_id,
-                abort=abort,
-                reserved_as=reserved_as,
-            ),
+        request = pb.CommitStoreRequest(
+            namespace_id=namespace_id,
+            chunk_hashes=chunk_hashes,
+            session_id=self._live_session().session_id,
+            abort=abort,
+            reserved_as=reserved_as,
         )
+        if described is not None and not abort:
+            request.token_ids, request.parent_hashes[:] = described.for_chunks(chunk_hashes)
+        resp: pb.CommitStoreResponse = self._ns_call(self._stub.CommitStore, request)
         return resp
 
     @property

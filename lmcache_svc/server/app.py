@@ -24,6 +24,7 @@ from lmcache_svc.cache.settings import CacheSettings
 from lmcache_svc.cache.values import TierPolicy
 from lmcache_svc.config import Config
 from lmcache_svc.errors import ConfigError
+from lmcache_svc.events.wiring import close_events, events_addresses, node_events
 from lmcache_svc.index_publisher import lookup_index
 from lmcache_svc.memories.store import MemoryStore
 from lmcache_svc.metrics import Metrics
@@ -86,7 +87,17 @@ def build_cache(config: Config) -> TieredCache:
     settings = CacheSettings.from_config(config)
     first = CpuTier(arena)
     index = lookup_index(config, first.name, first.medium)
-    return TieredCache(first, lower, settings=settings, metrics=Metrics(), lookup_index=index)
+    metrics = Metrics()
+    try:
+        events = node_events(config, metrics, [t for t, _ in lower])
+    except BaseException:
+        arena.close()
+        for made, _ in lower:
+            made.close()
+        raise
+    return TieredCache(
+        first, lower, settings=settings, metrics=metrics, lookup_index=index, listener=events
+    )
 
 
 def build_memory_store(config: Config) -> MemoryStore:
@@ -176,8 +187,10 @@ class Service:
             add_memory_service(grpc_server, memories, cache.metrics, self.auth)
         except BaseException:
             cache.close()
+            close_events(cache)
             raise
         addresses: dict[str, Any] = {"shm": cache.segment().name, "pid": os.getpid()}
+        addresses.update(events_addresses(cache))
         http: _Uvicorn | None = None
         http_task: asyncio.Task[None] | None = None
         try:
@@ -218,6 +231,7 @@ class Service:
             await grpc_server.stop(grace=5)
             servicer.close()
             cache.close()
+            close_events(cache)
             if cfg.socket is not None:
                 with contextlib.suppress(FileNotFoundError):
                     cfg.socket.unlink()

@@ -23,6 +23,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from lmcache_svc import __version__
 from lmcache_svc.cache import TieredCache
 from lmcache_svc.errors import InvalidArgument, Unauthenticated, UnknownSession
+from lmcache_svc.events.node_stream import NodeEvents
 from lmcache_svc.server.grpc_auth import AuthInterceptor
 from lmcache_svc.server.grpc_calls import abort_call, unary_rpc
 from lmcache_svc.server.grpc_index import index_segments, session_caller
@@ -95,9 +96,15 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
         self, request: pb.RegisterNamespaceRequest, context: grpc.aio.ServicerContext
     ) -> pb.RegisterNamespaceResponse:
         ns = self._cache.register_namespace(namespace_from_pb(request.namespace))
-        return pb.RegisterNamespaceResponse(
+        response = pb.RegisterNamespaceResponse(
             namespace_id=ns.namespace_id, chunk_bytes=ns.chunk_bytes
         )
+        events = self._cache.listener
+        if isinstance(events, NodeEvents) and (topic := events.topic_of(ns.namespace_id)):
+            response.events_topic = topic
+            response.events_endpoint = events.publisher.endpoint
+            response.events_replay_endpoint = events.publisher.replay_endpoint or ""
+        return response
 
     async def OpenSession(
         self, request: pb.OpenSessionRequest, context: grpc.aio.ServicerContext
@@ -216,15 +223,27 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
                 request.reserved_as,
                 arena_only=True,
                 session_id=request.session_id,
+                token_ids=request.token_ids,
+                parent_hashes=request.parent_hashes,
             )
             return pb.CommitStoreResponse(num_committed=num, kept=kept)
-        fn = self._cache.abort_store if request.abort else self._cache.commit_store
+        if request.abort:
+            num = await self._slots(
+                self._cache.abort_store,
+                request.namespace_id,
+                request.chunk_hashes,
+                arena_only=True,
+                session_id=request.session_id,
+            )
+            return pb.CommitStoreResponse(num_committed=num)
         num = await self._slots(
-            fn,
+            self._cache.commit_store,
             request.namespace_id,
             request.chunk_hashes,
             arena_only=True,
             session_id=request.session_id,
+            token_ids=request.token_ids,
+            parent_hashes=request.parent_hashes,
         )
         return pb.CommitStoreResponse(num_committed=num)
 

@@ -76,12 +76,18 @@ class RegisterNamespaceRequest(_message.Message):
     def __init__(self, namespace: _Optional[_Union[Namespace, _Mapping]] = ...) -> None: ...
 
 class RegisterNamespaceResponse(_message.Message):
-    __slots__ = ("namespace_id", "chunk_bytes")
+    __slots__ = ("namespace_id", "chunk_bytes", "events_topic", "events_endpoint", "events_replay_endpoint")
     NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
     CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    EVENTS_TOPIC_FIELD_NUMBER: _ClassVar[int]
+    EVENTS_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    EVENTS_REPLAY_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     namespace_id: bytes
     chunk_bytes: int
-    def __init__(self, namespace_id: _Optional[bytes] = ..., chunk_bytes: _Optional[int] = ...) -> None: ...
+    events_topic: str
+    events_endpoint: str
+    events_replay_endpoint: str
+    def __init__(self, namespace_id: _Optional[bytes] = ..., chunk_bytes: _Optional[int] = ..., events_topic: _Optional[str] = ..., events_endpoint: _Optional[str] = ..., events_replay_endpoint: _Optional[str] = ...) -> None: ...
 
 class Segment(_message.Message):
     __slots__ = ("transport", "name", "size", "nonce")
@@ -176,18 +182,22 @@ class PrepareStoreResponse(_message.Message):
     def __init__(self, slots: _Optional[_Iterable[_Union[PreparedSlot, _Mapping]]] = ..., segment_name: _Optional[str] = ...) -> None: ...
 
 class CommitStoreRequest(_message.Message):
-    __slots__ = ("namespace_id", "chunk_hashes", "session_id", "abort", "reserved_as")
+    __slots__ = ("namespace_id", "chunk_hashes", "session_id", "abort", "reserved_as", "token_ids", "parent_hashes")
     NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
     CHUNK_HASHES_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     ABORT_FIELD_NUMBER: _ClassVar[int]
     RESERVED_AS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    PARENT_HASHES_FIELD_NUMBER: _ClassVar[int]
     namespace_id: bytes
     chunk_hashes: _containers.RepeatedScalarFieldContainer[bytes]
     session_id: str
     abort: bool
     reserved_as: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, namespace_id: _Optional[bytes] = ..., chunk_hashes: _Optional[_Iterable[bytes]] = ..., session_id: _Optional[str] = ..., abort: _Optional[bool] = ..., reserved_as: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    token_ids: bytes
+    parent_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, namespace_id: _Optional[bytes] = ..., chunk_hashes: _Optional[_Iterable[bytes]] = ..., session_id: _Optional[str] = ..., abort: _Optional[bool] = ..., reserved_as: _Optional[_Iterable[bytes]] = ..., token_ids: _Optional[bytes] = ..., parent_hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class CommitStoreResponse(_message.Message):
     __slots__ = ("num_committed", "kept")

@@ -28,6 +28,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from lmcache_svc_vllm.config import parse_config
 from lmcache_svc_vllm.engine import EngineKV, UnsupportedEngine, describe_engine
+from lmcache_svc_vllm.events import EngineEvents, start_engine_events
 from lmcache_svc_vllm.hooks import HookClock, flush, timed
 from lmcache_svc_vllm.link import ServerLink
 from lmcache_svc_vllm.metadata import StepPlan
@@ -37,7 +38,10 @@ from lmcache_svc_vllm.stats import StatsRecorder
 from lmcache_svc_vllm.worker import WorkerSide
 
 if TYPE_CHECKING:
+    from collections.abc import Iterable
+
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_events import KVCacheEvent
     from vllm.forward_context import ForwardContext
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -74,6 +78,7 @@ class LMCacheSvcConnector(KVConnectorBase_V1):
         )
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
+        self._kv_events: EngineEvents | None = None
         try:
             engine = describe_engine(
                 vllm_config, kv_cache_config, self._config, current_platform.device_type
@@ -85,6 +90,9 @@ class LMCacheSvcConnector(KVConnectorBase_V1):
         self._config = self._config.for_block_size(engine.block_size)
         if role == KVConnectorRole.SCHEDULER:
             self._scheduler = self._make_scheduler(engine)
+            self._kv_events = start_engine_events(
+                self._scheduler.link, engine.block_size, vllm_config
+            )
             self._set_load_failure_policy()
         else:
             self._worker = self._make_worker(engine)
@@ -194,6 +202,8 @@ class LMCacheSvcConnector(KVConnectorBase_V1):
     def shutdown(self) -> None:
         if self._worker is not None:
             self._worker.shutdown()
+        if self._kv_events is not None:
+            self._kv_events.close()
         if self._scheduler is not None:
             self._scheduler.shutdown()
 
@@ -253,6 +263,10 @@ class LMCacheSvcConnector(KVConnectorBase_V1):
         if self._scheduler is not None:
             self._scheduler.request_finished(request.request_id)
         return False, None
+
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        """The sidecar's tiers in this engine's terms (events.py)."""
+        return self._kv_events.take() if self._kv_events is not None else ()
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> LMCacheSvcStats:

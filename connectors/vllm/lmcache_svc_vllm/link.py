@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import TypeVar
 
 from lmcache_svc.client import CacheClient, LoadLease, LookupResult
+from lmcache_svc.client.events import ChunkTokens, EventsSource
 from lmcache_svc.errors import LMCacheSvcError, ServerUnavailable
 from lmcache_svc.keys import Namespace, NamespaceId
 from lmcache_svc.store_pool import PooledSlot, StorePool
@@ -198,9 +199,18 @@ class ServerLink:
                 )
             return self._pool
 
-    def publish(self, reservation: Reservation, *, abort: bool = False) -> int:
+    def publish(
+        self,
+        reservation: Reservation,
+        *,
+        abort: bool = False,
+        described: ChunkTokens | None = None,
+    ) -> int:
         """Commit (or give back) a reservation's chunks; returns the chunks now stored.
-        Pooled slots are bound to their chunks (or, on abort, go back to the pool)."""
+        Pooled slots are bound to their chunks (or, on abort, go back to the pool).
+        ``described``: the chunks' tokens, sent when the server publishes KV events."""
+        if described is not None and self.events_source() is None:
+            described = None
         if not reservation.hashes:
             return 0
         if reservation.inline:
@@ -218,18 +228,33 @@ class ServerLink:
             else:
                 pool = self._pool
                 bound = self._guarded(
-                    "commit_store", lambda ns: pool.bind(pooled_hashes, reservation.pooled)
+                    "commit_store",
+                    lambda ns: pool.bind(pooled_hashes, reservation.pooled, described=described),
                 )
                 stored += bound or 0
         if prepared:
             committed = self._guarded(
                 "commit_store",
-                lambda ns: self._client.commit_store(ns, prepared, abort=abort),
+                lambda ns: self._client.commit_store(
+                    ns, prepared, abort=abort, described=described
+                ),
             )
             stored += committed or 0
             if committed is not None and not abort and self._pool is not None:
                 self._pool.refill_soon()  # the server answered: fill the pool for next time
         return stored
+
+    def events_source(self) -> EventsSource | None:
+        """Where the server announces this namespace's chunks (None: not published, or
+        not known yet)."""
+        ns_id = self._namespace_id
+        return None if ns_id is None else self._client.events_source(ns_id)
+
+    def register(self) -> EventsSource | None:
+        """Register the namespace now (again); its event source."""
+        self._guarded("register_namespace", lambda ns: self._client.register_namespace(
+            self.namespace))  # fmt: skip
+        return self.events_source()
 
     # -- worker side: loads --------------------------------------------------------------
 

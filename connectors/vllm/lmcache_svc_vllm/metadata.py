@@ -35,11 +35,16 @@ class SavePlan:
     """Copy full chunks that this step completes from KV blocks to the server.
 
     ``block_ids`` holds ``blocks_per_chunk`` source blocks per chunk, in token order.
+    ``token_ids`` (the chunks' tokens, little-endian uint32) and ``parent_hashes`` (per
+    rank, the hash of the chunk before the first, ``b""`` for a prompt's first) are set when
+    the server publishes KV events (``events.py``), else empty.
     """
 
     req_id: str
     chunk_hashes: tuple[tuple[bytes, ...], ...]
     block_ids: tuple[int, ...]
+    token_ids: bytes = b""
+    parent_hashes: tuple[bytes, ...] = ()
 
     def hashes_for(self, tp_rank: int) -> tuple[bytes, ...]:
         return self.chunk_hashes[tp_rank]

@@ -28,6 +28,7 @@ from lmcache_svc.keys import Namespace, chunk_hashes
 from lmcache_svc_vllm.config import ConnectorConfig
 from lmcache_svc_vllm.link import ServerLink
 from lmcache_svc_vllm.metadata import LoadPlan, SavePlan, StepPlan
+from lmcache_svc_vllm.save_tokens import describe_save
 from lmcache_svc_vllm.stats import StatsRecorder
 
 logger = logging.getLogger(f"vllm.{__name__}")
@@ -48,6 +49,7 @@ class RequestState:
     """What the scheduler half remembers about one live request."""
 
     num_prompt_tokens: int
+    token_ids: list[int] = field(default_factory=list)  # the prompt's (for KV events)
     pending: Future[LookupAnswer] | None = None
     started: float = 0.0
     hashes: Hashes = ((),)
@@ -119,7 +121,7 @@ class SchedulerSide:
         token_ids = _cacheable_prompt(request)
         if token_ids is None:
             return None
-        state = RequestState(len(token_ids), started=time.monotonic())
+        state = RequestState(len(token_ids), token_ids, started=time.monotonic())
         if len(token_ids) >= self.chunk_size:
             state.pending = self._lookups.submit(self.stats.cpu_timed, self._lookup, token_ids)
         return state
@@ -232,10 +234,17 @@ class SchedulerSide:
         if block_ids is None or len(block_ids) < num_full * bpc:
             return None
         state.num_saved_chunks = num_full
+        tokens, parents = b"", ()
+        if self.link.events_source() is not None:  # the server announces them: describe
+            tokens, parents = describe_save(
+                state.token_ids, state.hashes, start, num_full, self.chunk_size
+            )
         return SavePlan(
             req_id=req_id,
             chunk_hashes=tuple(h[start:num_full] for h in state.hashes),
             block_ids=tuple(block_ids[start * bpc : num_full * bpc]),
+            token_ids=tokens,
+            parent_hashes=parents,
         )
 
     # -- feedback and clean-up -----------------------------------------------------------

@@ -37,6 +37,7 @@ from lmcache_svc_vllm.link import Reservation, ServerLink
 from lmcache_svc_vllm.metadata import LoadPlan, SavePlan, StepPlan
 from lmcache_svc_vllm.mover import ChunkLoad, ChunkSave, LayerEvents, PageMover
 from lmcache_svc_vllm.pinning import HostPinner, cuda_host_registrar
+from lmcache_svc_vllm.save_tokens import describe_saves
 from lmcache_svc_vllm.stats import StatsRecorder
 from lmcache_svc_vllm.streams import copy_stream_for
 
@@ -176,11 +177,16 @@ class WorkerSide:
         start = time.perf_counter()
         ok = self._copy_out(reservation)
         self.stats.time("save_seconds", time.perf_counter() - start)
-        self._io.submit(self.stats.cpu_timed, self._publish, reservation, num_planned, ok)
+        described = describe_saves(plan.saves, self.tp_rank, self.namespace.chunk_size)
+        self._io.submit(
+            self.stats.cpu_timed, self._publish, reservation, num_planned, ok, described
+        )
 
-    def _publish(self, reservation: Reservation, num_planned: int, ok: bool) -> None:
+    def _publish(
+        self, reservation: Reservation, num_planned: int, ok: bool, described: Any = None
+    ) -> None:
         """On the I/O thread: commit the copied chunks (or give the slots back)."""
-        committed = self.link.publish(reservation, abort=not ok)
+        committed = self.link.publish(reservation, abort=not ok, described=described)
         stored = committed if ok else 0
         self.stats.add(
             save_skipped_chunks=num_planned - stored,

@@ -1,6 +1,6 @@
 """Run one vLLM engine in this process and drive it with JSON lines (run with .venv-vllm).
 
-    python engine_runner.py --model DIR [--kv-config JSON] [--block-size 128] ...
+    python engine_runner.py --model DIR [--kv-config JSON] [--kv-events-config JSON] ...
 
 Commands, one JSON object per line on stdin; one JSON answer per line on the original
 stdout (everything vLLM prints goes to stderr):
@@ -44,6 +44,7 @@ def _parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser()
     p.add_argument("--model", required=True)
     p.add_argument("--kv-config", default=None, help="kv_transfer_config as JSON")
+    p.add_argument("--kv-events-config", default=None, help="kv_events_config as JSON")
     p.add_argument("--block-size", type=int, default=128)
     p.add_argument("--max-model-len", type=int, default=8192)
     p.add_argument("--seed", type=int, default=0)
@@ -58,6 +59,10 @@ def _make_llm(args: argparse.Namespace) -> Any:
     kwargs: dict[str, Any] = {}
     if args.kv_config:
         kwargs["kv_transfer_config"] = json.loads(args.kv_config)
+    if args.kv_events_config:
+        from vllm.config.kv_events import KVEventsConfig
+
+        kwargs["kv_events_config"] = KVEventsConfig(**json.loads(args.kv_events_config))
     if args.no_prefix_caching:
         kwargs["enable_prefix_caching"] = False
     if args.max_num_batched_tokens:

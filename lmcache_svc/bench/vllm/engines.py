@@ -88,6 +88,7 @@ class EngineProc:
         log_dir: Path,
         *,
         kv_config: dict[str, Any] | None = None,
+        kv_events_config: dict[str, Any] | None = None,
         env: dict[str, str] | None = None,
         python_path: list[Path] | None = None,
         prefix_caching: bool = True,
@@ -101,6 +102,8 @@ class EngineProc:
         args = [str(VLLM_PYTHON), str(RUNNER), "--model", str(model_dir)]
         if kv_config is not None:
             args += ["--kv-config", json.dumps(kv_config)]
+        if kv_events_config is not None:
+            args += ["--kv-events-config", json.dumps(kv_events_config)]
         if not prefix_caching:
             args.append("--no-prefix-caching")
         if max_num_batched_tokens is not None:
