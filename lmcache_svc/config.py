@@ -28,7 +28,7 @@ from pydantic import (
 
 from lmcache_svc.client.defaults import default_socket_path
 from lmcache_svc.errors import ConfigError
-from lmcache_svc.events.settings import EventsSettings
+from lmcache_svc.server.events.settings import EventsSettings
 
 ENV_PREFIX = "LMCACHE_SVC_"
 _YAML_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)

@@ -13,15 +13,15 @@ import threading
 import time
 from collections.abc import Callable
 
-from lmcache_svc.arena import Arena
-from lmcache_svc.bench.redis_procs import RedisProc
 from lmcache_svc.cache import TieredCache
 from lmcache_svc.cache.lower_tier_manager import LowerTierManager
 from lmcache_svc.cache.settings import CacheSettings
 from lmcache_svc.cache.values import TierPolicy
 from lmcache_svc.metrics import Metrics
+from lmcache_svc.shm.arena import Arena
 from lmcache_svc.tiers.cpu import CpuTier
 from lmcache_svc.tiers.redis import RedisTier
+from lmcache_svc_bench.redis_procs import RedisProc
 from tests.helpers import make_chunk, make_key, make_namespace
 
 REDIS_TIMEOUT_S = 2.0

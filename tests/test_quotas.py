@@ -13,11 +13,11 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from lmcache_svc.arena import Arena
 from lmcache_svc.cache import TieredCache
 from lmcache_svc.cache.settings import CacheSettings
 from lmcache_svc.errors import LeaseLimit, ReservationLimit
 from lmcache_svc.keys import KVLayout, Namespace
+from lmcache_svc.shm.arena import Arena
 from lmcache_svc.tiers.cpu import CpuTier
 
 LAYOUT = KVLayout(

@@ -24,13 +24,13 @@ from lmcache_svc.cache.sessions import Sessions
 from lmcache_svc.cache.settings import CacheSettings
 from lmcache_svc.cache.values import CacheStats, TierPolicy
 from lmcache_svc.errors import InvalidArgument, PayloadTooLarge, TooManyNamespaces, UnknownNamespace
-from lmcache_svc.index_publisher import IndexPublisher
 from lmcache_svc.keys import ChunkKey, Namespace, NamespaceId, check_namespace_id, make_chunk_keys
 from lmcache_svc.metrics import Metrics
+from lmcache_svc.server.index_publisher import IndexPublisher
 from lmcache_svc.tiers.base import SegmentInfo, Slot, SlotTier, Tier
 
 if TYPE_CHECKING:
-    from lmcache_svc.events.meta import ChunkMeta
+    from lmcache_svc.server.events.meta import ChunkMeta
 
 
 class CacheCore:
@@ -177,7 +177,7 @@ class CacheCore:
         hashes), or None when nobody listens or the request carries none."""
         if self.listener is None or not token_ids:
             return None
-        from lmcache_svc.events.meta import describe_chunks
+        from lmcache_svc.server.events.meta import describe_chunks
 
         ns = self.namespace(namespace_id)
         return dict(zip(keys, describe_chunks(ns, chunk_hashes, token_ids, parent_hashes)))

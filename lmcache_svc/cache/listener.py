@@ -1,7 +1,7 @@
 """``ChunkListener``: told where chunks become loadable and where they stop being so.
 
 The cache calls a listener (``CacheCore(..., listener=...)``; the KV event stream,
-``lmcache_svc/events/node_stream.py``) at the points where its indices change:
+``lmcache_svc/server/events/node_stream.py``) at the points where its indices change:
 
 - ``chunk_changed(tier, key, True)`` when a chunk becomes loadable in a tier (a commit or
   a promotion into the first tier; a write-through, demotion or read that indexes it in a
@@ -27,7 +27,7 @@ from lmcache_svc.keys import ChunkKey, Namespace
 from lmcache_svc.tiers.base import Tier
 
 if TYPE_CHECKING:
-    from lmcache_svc.events.meta import ChunkMeta
+    from lmcache_svc.server.events.meta import ChunkMeta
 
 
 class ChunkListener(Protocol):

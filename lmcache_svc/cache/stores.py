@@ -25,7 +25,7 @@ from lmcache_svc.keys import ChunkHash, ChunkKey, make_chunk_keys
 from lmcache_svc.tiers.base import Buffer, Slot
 
 if TYPE_CHECKING:
-    from lmcache_svc.events.meta import ChunkMeta
+    from lmcache_svc.server.events.meta import ChunkMeta
 
 
 class StorePath(CacheCore):
@@ -80,7 +80,7 @@ class StorePath(CacheCore):
         parent_hashes: Sequence[bytes] = (),
     ) -> int:
         """Publish reserved chunks; ``token_ids`` and ``parent_hashes`` (optional, checked
-        against the hashes) describe them for the KV events (``events/meta.py``)."""
+        against the hashes) describe them for the KV events (``server/events/meta.py``)."""
         keys = self._keys(namespace_id, chunk_hashes)
         metas = self._describe(namespace_id, keys, chunk_hashes, token_ids, parent_hashes)
         return self._commit_keys(keys, session_id, metas)

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from lmcache_svc.bench.routing_proxy import Router, by_index, round_robin
-from lmcache_svc.bench.runner import run_benchmark
-from lmcache_svc.bench.vllm.engines import VLLM_PYTHON
+from lmcache_svc_bench.routing_proxy import Router, by_index, round_robin
+from lmcache_svc_bench.runner import run_benchmark
+from lmcache_svc_bench.vllm.engines import VLLM_PYTHON
 from tests.events.dynamo import DYNAMO_PYTHON
 
 

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from lmcache_svc.bench.procs import free_port
+from lmcache_svc_bench.procs import free_port
 
 DYNAMO_PYTHON = Path(__file__).resolve().parents[2] / ".venv-dynamo" / "bin" / "python"
 

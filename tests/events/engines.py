@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from lmcache_svc.bench.procs import ServerProc, free_port, start_server
-from lmcache_svc.bench.vllm.engines import VLLM_PYTHON, EngineProc, kv_transfer_config
+from lmcache_svc_bench.procs import ServerProc, free_port, start_server
+from lmcache_svc_bench.vllm.engines import VLLM_PYTHON, EngineProc, kv_transfer_config
 
 HERE = Path(__file__).resolve().parent
 

@@ -1,5 +1,5 @@
 """Test-side readers of an event stream: a ZMQ subscriber and replay/snapshot requests,
-decoding with the server's structs (``lmcache_svc.events.format``). Tests that must prove
+decoding with the server's structs (``lmcache_svc.server.events.format``). Tests that must prove
 vLLM's own classes read the stream use ``vllm_reader.py`` in vLLM's interpreter instead."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from typing import Any
 
 import zmq
 
-from lmcache_svc.events.format import KVEventBatch, decode_batch, seq_bytes, seq_of
+from lmcache_svc.server.events.format import KVEventBatch, decode_batch, seq_bytes, seq_of
 
 
 @dataclass

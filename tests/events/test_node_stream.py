@@ -10,16 +10,16 @@ import numpy as np
 import pytest
 import zmq
 
-from lmcache_svc.arena import Arena
 from lmcache_svc.cache import TieredCache
 from lmcache_svc.cache.values import TierPolicy
 from lmcache_svc.errors import InvalidArgument
-from lmcache_svc.events.format import AllBlocksCleared, BlockRemoved, BlockStored
-from lmcache_svc.events.metrics import EventMetrics
-from lmcache_svc.events.node_stream import NodeEvents, block_hashes
-from lmcache_svc.events.settings import EventsSettings
 from lmcache_svc.keys import Namespace, chunk_hashes
 from lmcache_svc.metrics import Metrics
+from lmcache_svc.server.events.format import AllBlocksCleared, BlockRemoved, BlockStored
+from lmcache_svc.server.events.metrics import EventMetrics
+from lmcache_svc.server.events.node_stream import NodeEvents, block_hashes
+from lmcache_svc.server.events.settings import EventsSettings
+from lmcache_svc.shm.arena import Arena
 from lmcache_svc.tiers.cpu import CpuTier
 from lmcache_svc.tiers.ssd import SsdTier
 from tests.events.streams import Subscriber, replay, request
@@ -212,7 +212,7 @@ def test_a_subscriber_that_connects_late_still_hears_a_restart_while_nothing_is_
 
 
 def test_a_restarted_publisher_numbers_on_above_the_old_one() -> None:
-    from lmcache_svc.events.publisher import EventLog
+    from lmcache_svc.server.events.publisher import EventLog
 
     old = EventLog(buffer_steps=8, max_pending=8)
     old.add(b"t", [AllBlocksCleared()])

@@ -6,10 +6,10 @@ import pytest
 
 from lmcache_svc.config import load_config
 from lmcache_svc.errors import ConfigError
-from lmcache_svc.events.metrics import EventMetrics
-from lmcache_svc.events.node_stream import NodeEvents
-from lmcache_svc.events.settings import EventsSettings
 from lmcache_svc.metrics import Metrics
+from lmcache_svc.server.events.metrics import EventMetrics
+from lmcache_svc.server.events.node_stream import NodeEvents
+from lmcache_svc.server.events.settings import EventsSettings
 from tests.helpers import make_namespace
 
 

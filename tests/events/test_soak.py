@@ -12,15 +12,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from lmcache_svc.arena import Arena
 from lmcache_svc.cache import TieredCache
 from lmcache_svc.cache.values import TierPolicy
-from lmcache_svc.events.format import AllBlocksCleared, BlockRemoved, BlockStored
-from lmcache_svc.events.metrics import EventMetrics
-from lmcache_svc.events.node_stream import NodeEvents, block_hashes
-from lmcache_svc.events.settings import EventsSettings
 from lmcache_svc.keys import chunk_hashes, make_chunk_key
 from lmcache_svc.metrics import Metrics
+from lmcache_svc.server.events.format import AllBlocksCleared, BlockRemoved, BlockStored
+from lmcache_svc.server.events.metrics import EventMetrics
+from lmcache_svc.server.events.node_stream import NodeEvents, block_hashes
+from lmcache_svc.server.events.settings import EventsSettings
+from lmcache_svc.shm.arena import Arena
 from lmcache_svc.tiers.cpu import CpuTier
 from lmcache_svc.tiers.ssd import SsdTier
 from tests.events.streams import Subscriber

@@ -15,25 +15,25 @@ import numpy as np
 import pytest
 from redis.cluster import RedisCluster
 
-from lmcache_svc.arena import Arena
-from lmcache_svc.bench.redis_procs import (
+from lmcache_svc.cache import TieredCache
+from lmcache_svc.cache.values import TierPolicy
+from lmcache_svc.config import load_config
+from lmcache_svc.keys import chunk_hashes, make_chunk_key
+from lmcache_svc.metrics import Metrics
+from lmcache_svc.server.events.format import BlockRemoved, BlockStored
+from lmcache_svc.server.events.metrics import EventMetrics
+from lmcache_svc.server.events.node_stream import NodeEvents, block_hashes
+from lmcache_svc.server.events.redis_channel import RedisChannel
+from lmcache_svc.server.events.settings import EventsSettings
+from lmcache_svc.shm.arena import Arena
+from lmcache_svc.tiers.cpu import CpuTier
+from lmcache_svc.tiers.redis import RedisTier
+from lmcache_svc_bench.redis_procs import (
     RedisClusterProcs,
     RedisProc,
     redis_server_path,
     start_redis_cluster,
 )
-from lmcache_svc.cache import TieredCache
-from lmcache_svc.cache.values import TierPolicy
-from lmcache_svc.config import load_config
-from lmcache_svc.events.format import BlockRemoved, BlockStored
-from lmcache_svc.events.metrics import EventMetrics
-from lmcache_svc.events.node_stream import NodeEvents, block_hashes
-from lmcache_svc.events.redis_channel import RedisChannel
-from lmcache_svc.events.settings import EventsSettings
-from lmcache_svc.keys import chunk_hashes, make_chunk_key
-from lmcache_svc.metrics import Metrics
-from lmcache_svc.tiers.cpu import CpuTier
-from lmcache_svc.tiers.redis import RedisTier
 from tests.events.streams import Subscriber
 from tests.helpers import make_chunk, make_layout, make_namespace
 

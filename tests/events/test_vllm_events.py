@@ -18,12 +18,12 @@ from typing import Any
 import numpy as np
 import pytest
 
-from lmcache_svc.bench.procs import ServerProc, free_port, start_server
-from lmcache_svc.bench.vllm.bench_model import VOCAB_SIZE, make_tiny_model
-from lmcache_svc.bench.vllm.engines import EngineProc
 from lmcache_svc.client import CacheClient
 from lmcache_svc.client.events import ChunkTokens
 from lmcache_svc.keys import chunk_hashes
+from lmcache_svc_bench.procs import ServerProc, free_port, start_server
+from lmcache_svc_bench.vllm.bench_model import VOCAB_SIZE, make_tiny_model
+from lmcache_svc_bench.vllm.engines import EngineProc
 from tests.events.dynamo import Indexer, require_dynamo
 from tests.events.engines import VllmReader, events_env, of_type, start_engine
 from tests.vllm.conftest import require_vllm_venv

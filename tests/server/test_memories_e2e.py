@@ -13,9 +13,9 @@ import pytest
 import xxhash
 
 from lmcache_svc import errors
-from lmcache_svc.bench.procs import ServerProc, start_server
 from lmcache_svc.client import CacheClient, MemoryInfo
-from tests.memories.blobs import make_memory, memory_id_of
+from lmcache_svc_bench.procs import ServerProc, start_server
+from tests.server.memories.blobs import make_memory, memory_id_of
 from tests.server.test_grpc import run_py
 from tests.server.test_http import metric_value
 
@@ -49,7 +49,7 @@ def test_a_memory_added_by_one_process_is_seen_by_another(
     server = start(servers, tmp_path)
     writer = f"""
         from lmcache_svc.client import CacheClient
-        from tests.memories.blobs import make_memory
+        from tests.server.memories.blobs import make_memory
         c = CacheClient({server.socket!r}, timeout_s=30)
         c.wait_ready(30)
         with c:
@@ -158,7 +158,7 @@ def test_memories_persist_under_the_ssd_tier_by_default(
     with ready_client(first.socket) as c:
         c.put_memory(blob)
     assert first.stop() == 0
-    checksum = xxhash.xxh3_64_hexdigest(blob)  # recorded in the name (memories/blobs.py)
+    checksum = xxhash.xxh3_64_hexdigest(blob)  # recorded in the name (server/memories/blobs.py)
     assert [p.name for p in (ssd / "memories").glob("t-*/*")] == [f"{MID}.{checksum}.safetensors"]
     second = start(servers, tmp_path, "--ssd-path", str(ssd))
     with ready_client(second.socket) as c:

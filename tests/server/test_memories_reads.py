@@ -19,13 +19,13 @@ import xxhash
 
 from lmcache_svc import errors
 from lmcache_svc.client import CacheClient
-from lmcache_svc.memories.store import MemoryStore
+from lmcache_svc.server.memories.store import MemoryStore
 from lmcache_svc.v1 import cache_pb2 as pb
 from lmcache_svc.v1 import cache_pb2_grpc as pb_grpc
 from lmcache_svc.wire import channel_options
-from tests.memories.blobs import make_memory, memory_id_of
 from tests.server.inprocess import InProcessServer
 from tests.server.inprocess import serve as serve  # the fixture
+from tests.server.memories.blobs import make_memory, memory_id_of
 from tests.server.rest import App
 from tests.server.test_http import assert_error, metric_value
 

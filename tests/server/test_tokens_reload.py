@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 
 from lmcache_svc import errors
-from lmcache_svc.bench.procs import ServerProc, start_server
 from lmcache_svc.client import CacheClient
 from lmcache_svc.server import tokens
 from lmcache_svc.server.tokens import Authenticator
+from lmcache_svc_bench.procs import ServerProc, start_server
 from tests.helpers import make_namespace
 from tests.server.test_tenants import ACME, ADMIN, BOB, TOKENS, _rewrite
 from tests.server.test_tenants import tokens_file as tokens_file  # the fixture

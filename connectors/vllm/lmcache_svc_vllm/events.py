@@ -1,7 +1,7 @@
 """KV events: the sidecar's tiers announced in this engine's own stream (``take_events``).
 
 Scheduler half. The server publishes what its tiers hold on a ZMQ stream in vLLM's format,
-with block hashes of its own (``lmcache_svc/events/node_stream.py``). ``EngineEvents``
+with block hashes of its own (``lmcache_svc/server/events/node_stream.py``). ``EngineEvents``
 subscribes to its namespace's topic, takes a snapshot at start (and after a gap it cannot
 replay, or a server restart), and re-announces each chunk in this engine's terms: block
 hashes computed with vLLM's own ``hash_block_tokens`` and this engine's hash function and
