@@ -56,7 +56,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _add_bench(sub: Any) -> None:
-    from lmcache_svc.bench import BENCHMARKS
+    from lmcache_svc_bench import BENCHMARKS
 
     names = "\n".join(f"  {name:<10} {text}" for name, (_, text) in BENCHMARKS.items())
     bench = sub.add_parser(
@@ -130,9 +130,9 @@ def _stats(args: argparse.Namespace) -> int:
 def _bench(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from lmcache_svc.bench import BENCHMARKS
-    from lmcache_svc.bench.report import targets_at_a_glance
-    from lmcache_svc.bench.runner import run_benchmark
+    from lmcache_svc_bench import BENCHMARKS
+    from lmcache_svc_bench.report import targets_at_a_glance
+    from lmcache_svc_bench.runner import run_benchmark
 
     options: dict[str, str] = {}
     for item in args.set:

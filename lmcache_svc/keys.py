@@ -69,7 +69,7 @@ def documented(
     *, minimum: int | None = None, description: str | None = None, examples: list[str] | None = None
 ) -> dict[str, Any]:
     """A namespace field's contract, in its dataclass metadata: ``validate`` enforces
-    ``minimum`` (up to ``MAX_FIELD_VALUE``); the REST models (``server/http_models.py``) are
+    ``minimum`` (up to ``MAX_FIELD_VALUE``); the REST models (``server/http/models.py``) are
     generated from the same fields and document all three."""
     return {"minimum": minimum, "description": description, "examples": examples}
 

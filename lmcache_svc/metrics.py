@@ -18,7 +18,7 @@ from prometheus_client.registry import Collector
 from lmcache_svc.tiers.base import TierStats
 
 if TYPE_CHECKING:
-    from lmcache_svc.memories.store import MemoryUsage
+    from lmcache_svc.server.memories.store import MemoryUsage
 
 _LATENCY_BUCKETS = (
     0.0001,

@@ -16,7 +16,7 @@ from google.protobuf.message import Message
 
 from lmcache_svc import errors
 from lmcache_svc.keys import KVLayout, Namespace
-from lmcache_svc.memories.format import MemoryInfo
+from lmcache_svc.memory_blob import MemoryInfo
 from lmcache_svc.results import StoreStatus
 from lmcache_svc.tiers.base import MEDIA, Medium
 from lmcache_svc.v1 import cache_pb2 as pb

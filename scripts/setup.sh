@@ -15,13 +15,13 @@ if [ ! -x .venv/bin/python ]; then
   "$py" -m venv .venv
 fi
 pip=".venv/bin/python -m pip"
-stamp=".venv/.lmcache-svc-setup-$dev-$(sha256sum pyproject.toml | cut -c1-16)"
+stamp=".venv/.lmcache-svc-setup-$dev-$(cat pyproject.toml benchmarks/pyproject.toml | sha256sum | cut -c1-16)"
 if [ ! -f "$stamp" ]; then
   if [ "$dev" = 1 ]; then
     echo "setup: installing torch (CPU build) and the project with test extras"
     # torch first, pinned: a later unpinned 'torch' requirement then installs nothing more.
     $pip install -q --disable-pip-version-check torch==2.13.0
-    $pip install -q --disable-pip-version-check -e '.[server,dev,torch]'
+    $pip install -q --disable-pip-version-check -e '.[server,dev,torch]' -e ./benchmarks
   else
     echo "setup: installing the project with server extras"
     $pip install -q --disable-pip-version-check -e '.[server]'

@@ -9,14 +9,14 @@ from pathlib import Path
 
 import pytest
 
-from lmcache_svc.bench.redis_procs import (
+from lmcache_svc.cache.chunk_index import CHECK_LOCKS_ENV
+from lmcache_svc_bench.redis_procs import (
     RedisClusterProcs,
     RedisProc,
     redis_server_path,
     start_redis,
     start_redis_cluster,
 )
-from lmcache_svc.cache.chunk_index import CHECK_LOCKS_ENV
 
 os.environ[CHECK_LOCKS_ENV] = "1"  # every chunk-index change checks the cache's lock is held
 # (servers the tests start as processes inherit it)

@@ -21,9 +21,9 @@ from lmcache_svc.cache.sessions import Sessions
 from lmcache_svc.cache.settings import CacheSettings
 from lmcache_svc.cache.values import CacheStats, TierPolicy
 from lmcache_svc.errors import InvalidArgument, PayloadTooLarge, TooManyNamespaces, UnknownNamespace
-from lmcache_svc.index_publisher import IndexPublisher
 from lmcache_svc.keys import ChunkKey, Namespace, NamespaceId, check_namespace_id, make_chunk_keys
 from lmcache_svc.metrics import Metrics
+from lmcache_svc.server.index_publisher import IndexPublisher
 from lmcache_svc.tiers.base import SegmentInfo, Slot, SlotTier, Tier
 
 

@@ -23,9 +23,9 @@ import logging
 import threading
 from collections.abc import Sequence
 
+from lmcache_svc.cache.checksums import SlotChecksums, checksum
 from lmcache_svc.cache.chunk_index import ChunkIndex
 from lmcache_svc.cache.lower_tier_manager import LowerTierManager, LowerTierState
-from lmcache_svc.checksums import SlotChecksums, checksum
 from lmcache_svc.keys import ChunkKey
 from lmcache_svc.metrics import Metrics
 from lmcache_svc.tiers.base import Slot, SlotTier

@@ -36,7 +36,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from lmcache_svc.breaker import STATE_CODES, CircuitBreaker
+from lmcache_svc.cache.breaker import STATE_CODES, CircuitBreaker
 from lmcache_svc.cache.values import TierPolicy
 from lmcache_svc.errors import Corrupted, TierError
 from lmcache_svc.keys import CHUNK_KEY_BYTES, ChunkKey

@@ -1,6 +1,6 @@
 """Store-pool placeholders: committing slots reserved ahead under placeholder hashes.
 
-A client's store pool (``lmcache_svc/store_pool.py``) reserves slots under random
+A client's store pool (``lmcache_svc/client/store_pool.py``) reserves slots under random
 placeholder chunk hashes before it knows what it will write; ``bind_store`` then commits
 each written slot under the chunk it now holds (docs/architecture.md, "Policy": "Slots
 reserved ahead").

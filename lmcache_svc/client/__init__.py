@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from lmcache_svc.client.cache_client import CacheClient
 from lmcache_svc.client.transport import LoadLease, StoreSlot, default_address
-from lmcache_svc.memories.format import MemoryInfo
+from lmcache_svc.memory_blob import MemoryInfo
 from lmcache_svc.results import LookupResult, StoreStatus
 
 __all__ = [

@@ -11,7 +11,7 @@ from lmcache_svc.client.transport import (
     memory_parts,
     memory_timeout,
 )
-from lmcache_svc.memories.format import MemoryInfo
+from lmcache_svc.memory_blob import MemoryInfo
 from lmcache_svc.v1 import cache_pb2 as pb
 from lmcache_svc.wire import memory_info_from_pb
 

@@ -12,9 +12,9 @@ import grpc
 from google.protobuf.message import Message
 
 from lmcache_svc import errors
-from lmcache_svc.arena import ArenaMapping
 from lmcache_svc.client.defaults import default_socket_path
 from lmcache_svc.results import StoreStatus
+from lmcache_svc.shm.arena import ArenaMapping
 from lmcache_svc.v1 import cache_pb2 as pb
 from lmcache_svc.wire import (
     ERROR_KIND_KEY,

@@ -18,20 +18,20 @@ from typing import Any
 import grpc
 import uvicorn
 
-from lmcache_svc.arena import Arena, remove_orphan_segments
 from lmcache_svc.cache import TieredCache
 from lmcache_svc.cache.settings import CacheSettings
 from lmcache_svc.cache.values import TierPolicy
 from lmcache_svc.config import Config
 from lmcache_svc.errors import ConfigError
-from lmcache_svc.index_publisher import lookup_index
-from lmcache_svc.memories.store import MemoryStore
 from lmcache_svc.metrics import Metrics
-from lmcache_svc.server.grpc import build_grpc_server, set_serving
-from lmcache_svc.server.grpc_memories import add_memory_service
-from lmcache_svc.server.http import create_app
-from lmcache_svc.server.http_server import ConnectionLimits, make_uvicorn_config
+from lmcache_svc.server.grpc.cache_service import build_grpc_server, set_serving
+from lmcache_svc.server.grpc.memory_service import add_memory_service
+from lmcache_svc.server.http.api import create_app
+from lmcache_svc.server.http.server import ConnectionLimits, make_uvicorn_config
+from lmcache_svc.server.index_publisher import lookup_index
+from lmcache_svc.server.memories.store import MemoryStore
 from lmcache_svc.server.tokens import Authenticator, make_authenticator
+from lmcache_svc.shm.arena import Arena, remove_orphan_segments
 from lmcache_svc.tiers.base import Tier
 from lmcache_svc.tiers.cpu import CpuTier
 

@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import threading
 
-from lmcache_svc.arena import Arena
 from lmcache_svc.keys import ChunkKey
-from lmcache_svc.slab import ALIGN
+from lmcache_svc.shm.arena import Arena
+from lmcache_svc.shm.slab import ALIGN
 from lmcache_svc.tiers.base import SegmentInfo, Slot, SlotTier
 from lmcache_svc.tiers.own_slots import OwnSlotsTier, ReadPins
 

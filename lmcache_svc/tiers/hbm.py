@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 
 from lmcache_svc.errors import ConfigError, InvalidArgument
 from lmcache_svc.keys import ChunkKey
-from lmcache_svc.slab import SlabAllocator
+from lmcache_svc.shm.slab import SlabAllocator
 from lmcache_svc.tiers.base import Buffer, Slot
 from lmcache_svc.tiers.own_slots import OwnSlotsTier, ReadPins
 

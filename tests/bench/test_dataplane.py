@@ -11,12 +11,12 @@ from typing import Any
 
 import pytest
 
-from lmcache_svc.bench import lmcache_peer as peer
-from lmcache_svc.bench.dataplane import PATHS, SIZES_MIB, Params, _side_table
-from lmcache_svc.bench.dataplane_paths import Workload, namespace_for
-from lmcache_svc.bench.dataplane_side import OursRun
-from lmcache_svc.bench.report import Report
-from lmcache_svc.bench.runner import run_benchmark
+from lmcache_svc_bench import lmcache_peer as peer
+from lmcache_svc_bench.dataplane import PATHS, SIZES_MIB, Params, _side_table
+from lmcache_svc_bench.dataplane_paths import Workload, namespace_for
+from lmcache_svc_bench.dataplane_side import OursRun
+from lmcache_svc_bench.report import Report
+from lmcache_svc_bench.runner import run_benchmark
 
 MiB = 1 << 20
 

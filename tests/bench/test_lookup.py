@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from lmcache_svc.bench.lookup import (
+from lmcache_svc_bench.lookup import (
     HANDLER_ROW,
     INDEX_ROW,
     SERVER_ROW,
@@ -17,7 +17,7 @@ from lmcache_svc.bench.lookup import (
     prompt_hashes,
     synthetic_hash,
 )
-from lmcache_svc.bench.runner import run_benchmark
+from lmcache_svc_bench.runner import run_benchmark
 
 
 def test_prompt_shapes_hit_where_they_say() -> None:

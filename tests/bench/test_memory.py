@@ -9,7 +9,7 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from lmcache_svc.bench.runner import run_benchmark  # noqa: E402
+from lmcache_svc_bench.runner import run_benchmark  # noqa: E402
 
 
 def test_small_matrix(tmp_path: Path) -> None:

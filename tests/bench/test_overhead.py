@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from lmcache_svc.bench.overhead import TARGET_RATIO, RunResult, paired_ratios, params, verdict
-from lmcache_svc.bench.runner import BenchContext, run_benchmark
-from lmcache_svc.bench.stats import median_interval
-from lmcache_svc.bench.vllm.engines import VLLM_PYTHON
+from lmcache_svc_bench.overhead import TARGET_RATIO, RunResult, paired_ratios, params, verdict
+from lmcache_svc_bench.runner import BenchContext, run_benchmark
+from lmcache_svc_bench.stats import median_interval
+from lmcache_svc_bench.vllm.engines import VLLM_PYTHON
 
 
 def _ctx(tmp_path: Path, **options: str) -> BenchContext:

@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from lmcache_svc.bench import BENCHMARKS
-from lmcache_svc.bench.report import Progress, Report, Target, targets_at_a_glance
-from lmcache_svc.bench.runner import BenchContext, run_benchmark
-from lmcache_svc.bench.stats import gbps, median, percentile
 from lmcache_svc.cli import main
+from lmcache_svc_bench import BENCHMARKS
+from lmcache_svc_bench.report import Progress, Report, Target, targets_at_a_glance
+from lmcache_svc_bench.runner import BenchContext, run_benchmark
+from lmcache_svc_bench.stats import gbps, median, percentile
 
 
 def test_target_direction() -> None:

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from lmcache_svc.bench.runner import run_benchmark
-from lmcache_svc.bench.scale import TARGET_BYTES_PER_CHUNK, private_bytes
+from lmcache_svc_bench.runner import run_benchmark
+from lmcache_svc_bench.scale import TARGET_BYTES_PER_CHUNK, private_bytes
 
 
 def test_private_bytes_grows_with_private_memory() -> None:

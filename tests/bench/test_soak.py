@@ -8,10 +8,10 @@ from typing import Any
 
 import pytest
 
-from lmcache_svc.bench.redis_procs import redis_server_path
-from lmcache_svc.bench.runner import run_benchmark
-from lmcache_svc.bench.soak import OPS, PHASES
-from lmcache_svc.bench.soak_worker import Tally, Worker, content, prefix_hashes, soak_namespace
+from lmcache_svc_bench.redis_procs import redis_server_path
+from lmcache_svc_bench.runner import run_benchmark
+from lmcache_svc_bench.soak import OPS, PHASES
+from lmcache_svc_bench.soak_worker import Tally, Worker, content, prefix_hashes, soak_namespace
 
 
 class _NoClient:
@@ -65,9 +65,9 @@ def test_short_soak_serves_no_wrong_bytes_through_every_fault(tmp_path: Path) ->
 def test_cli_passes_minutes_and_exits_1_on_a_failed_check(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import lmcache_svc.bench.runner as runner
-    from lmcache_svc.bench.report import Report
+    import lmcache_svc_bench.runner as runner
     from lmcache_svc.cli import main
+    from lmcache_svc_bench.report import Report
 
     seen: dict[str, str] = {}
 

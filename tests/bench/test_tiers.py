@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from lmcache_svc.bench.runner import run_benchmark
-from lmcache_svc.bench.stats import median
-from lmcache_svc.bench.tiers import MIB, REDIS_GOALS, SSD_GOAL
-from lmcache_svc.bench.tiers_ssd import SsdParams, check_params, measure_ssd, scratch_dir
+from lmcache_svc_bench.runner import run_benchmark
+from lmcache_svc_bench.stats import median
+from lmcache_svc_bench.tiers import MIB, REDIS_GOALS, SSD_GOAL
+from lmcache_svc_bench.tiers_ssd import SsdParams, check_params, measure_ssd, scratch_dir
 
 NEEDS_REDIS = pytest.mark.skipif(
     shutil.which("redis-server") is None or shutil.which("redis-benchmark") is None,

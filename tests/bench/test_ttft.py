@@ -9,12 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from lmcache_svc.bench.report import Report
-from lmcache_svc.bench.runner import BenchContext, run_benchmark
-from lmcache_svc.bench.ttft import EXPLICIT_CHUNKS, make_workload, params
-from lmcache_svc.bench.vllm.engines import VLLM_PYTHON
-from lmcache_svc.bench.vllm_ttft import PLUGIN_DEFAULT_CHUNK, Sample, Setup, plugin_config
-from lmcache_svc.bench.vllm_ttft_report import (
+from lmcache_svc_bench.report import Report
+from lmcache_svc_bench.runner import BenchContext, run_benchmark
+from lmcache_svc_bench.ttft import EXPLICIT_CHUNKS, make_workload, params
+from lmcache_svc_bench.vllm.engines import VLLM_PYTHON
+from lmcache_svc_bench.vllm_ttft import PLUGIN_DEFAULT_CHUNK, Sample, Setup, plugin_config
+from lmcache_svc_bench.vllm_ttft_report import (
     memos_speedup,
     output_mismatches,
     write_report,
@@ -55,7 +55,7 @@ def test_b_runs_the_plugin_defaults(tmp_path: Path) -> None:
 
 
 def test_missing_vllm_venv_is_named(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from lmcache_svc.bench import vllm_common
+    from lmcache_svc_bench import vllm_common
 
     monkeypatch.setattr(vllm_common, "VLLM_PYTHON", tmp_path / "no-venv" / "bin" / "python")
     for name in ("ttft", "overhead"):

@@ -9,13 +9,13 @@ from pathlib import Path
 
 import pytest
 
-from lmcache_svc.bench.report import Progress
-from lmcache_svc.bench.runner import BenchContext, run_benchmark
-from lmcache_svc.bench.vllm.engines import VLLM_PYTHON
-from lmcache_svc.bench.workload import params
-from lmcache_svc.bench.workload_report import ideal_hit_rate
-from lmcache_svc.bench.workload_serve import Metrics
-from lmcache_svc.bench.workload_trace import Conversations, trace_lines, write_tokenizer
+from lmcache_svc_bench.report import Progress
+from lmcache_svc_bench.runner import BenchContext, run_benchmark
+from lmcache_svc_bench.vllm.engines import VLLM_PYTHON
+from lmcache_svc_bench.workload import params
+from lmcache_svc_bench.workload_report import ideal_hit_rate
+from lmcache_svc_bench.workload_serve import Metrics
+from lmcache_svc_bench.workload_trace import Conversations, trace_lines, write_tokenizer
 
 
 def _ctx(tmp_path: Path, **options: str) -> BenchContext:

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import tomllib
 
-from lmcache_svc.bench.procs import ServerProc, start_server
+from lmcache_svc_bench.procs import ServerProc, start_server
 
 ROOT = Path(__file__).resolve().parents[2]
 

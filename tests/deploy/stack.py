@@ -20,7 +20,7 @@ from typing import Any
 
 import yaml
 
-from lmcache_svc.bench.procs import free_port
+from lmcache_svc_bench.procs import free_port
 from tests.deploy.manifests import REPO, VLLM_PYTHON
 
 PROMETHEUS = "prometheus"

@@ -29,10 +29,10 @@ from typing import Any
 import httpx
 import pytest
 
-from lmcache_svc.bench.procs import ServerProc, start_server
-from lmcache_svc.bench.redis_procs import RedisProc, send_command
 from lmcache_svc.client import CacheClient
 from lmcache_svc.keys import KVLayout, Namespace, chunk_hashes
+from lmcache_svc_bench.procs import ServerProc, start_server
+from lmcache_svc_bench.redis_procs import RedisProc, send_command
 from tests.deploy import dashboard as dash
 from tests.deploy import stack
 from tests.deploy.manifests import REPO
@@ -171,7 +171,7 @@ def live(redis_server: RedisProc, tmp_path_factory: pytest.TempPathFactory) -> I
         model_dir = workdir / "model"
         vllm = None
         if skip_reason is None:  # the slowest start first; it comes up while traffic runs
-            from lmcache_svc.bench.vllm.bench_model import make_tiny_model
+            from lmcache_svc_bench.vllm.bench_model import make_tiny_model
 
             make_tiny_model(model_dir)
             vllm = stack.start_vllm(workdir, model_dir, server.socket)

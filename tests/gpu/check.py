@@ -37,8 +37,8 @@ from lmcache_svc_vllm.mover import ChunkLoad, ChunkSave, PageMover  # noqa: E402
 from lmcache_svc_vllm.pinning import HostPinner, cuda_host_registrar  # noqa: E402
 from lmcache_svc_vllm.streams import CudaCopyStream, copy_stream_for  # noqa: E402
 
-from lmcache_svc.arena import Arena, ArenaMapping  # noqa: E402
 from lmcache_svc.keys import ChunkKey  # noqa: E402
+from lmcache_svc.shm.arena import Arena, ArenaMapping  # noqa: E402
 from lmcache_svc.tiers.cuda_ipc import CudaIpcHandle, open_handle  # noqa: E402
 from lmcache_svc.tiers.hbm import DevicePool, HbmTier  # noqa: E402
 from tests.gpu.kv_layout import KVShape, make_kv_caches, page_order  # noqa: E402

@@ -11,8 +11,8 @@ import httpx
 import pytest
 
 from lmcache_svc.cache import TieredCache
-from lmcache_svc.memories.store import MemoryStore
-from lmcache_svc.server.http import create_app, make_uvicorn_server
+from lmcache_svc.server.http.api import create_app, make_uvicorn_server
+from lmcache_svc.server.memories.store import MemoryStore
 from tests.server.rest import MAX_BODY_BYTES, App, Served, make_cache
 
 

@@ -7,11 +7,11 @@ from dataclasses import dataclass
 
 import httpx
 
-from lmcache_svc.arena import Arena
 from lmcache_svc.cache import TieredCache
 from lmcache_svc.cache.settings import CacheSettings
 from lmcache_svc.keys import Namespace
-from lmcache_svc.memories.store import MemoryStore
+from lmcache_svc.server.memories.store import MemoryStore
+from lmcache_svc.shm.arena import Arena
 from lmcache_svc.tiers.cpu import CpuTier
 
 MAX_BODY_BYTES = 64 * 1024  # the chunk-body limit serve_http gives the app unless told

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from lmcache_svc.bench.procs import ServerProc, start_server
 from lmcache_svc.client import CacheClient
+from lmcache_svc_bench.procs import ServerProc, start_server
 
 HANDSHAKE_DELAY_S = 1.5
 

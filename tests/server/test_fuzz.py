@@ -29,12 +29,12 @@ from schemathesis.specs.openapi.checks import (
     status_code_conformance,
 )
 
-from lmcache_svc.arena import Arena
 from lmcache_svc.cache import TieredCache
 from lmcache_svc.cache.settings import CacheSettings
 from lmcache_svc.keys import KVLayout, Namespace
-from lmcache_svc.server.http import create_app
+from lmcache_svc.server.http.api import create_app
 from lmcache_svc.server.tokens import Authenticator
+from lmcache_svc.shm.arena import Arena
 from lmcache_svc.tiers.cpu import CpuTier
 
 pytestmark = pytest.mark.slow

@@ -18,11 +18,11 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from lmcache_svc import errors
-from lmcache_svc.bench.procs import ServerProc, start_server
 from lmcache_svc.client import CacheClient
 from lmcache_svc.keys import chunk_hashes
 from lmcache_svc.v1 import cache_pb2 as pb
 from lmcache_svc.v1 import cache_pb2_grpc as pb_grpc
+from lmcache_svc_bench.procs import ServerProc, start_server
 from tests.helpers import make_chunk, make_namespace
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from lmcache_svc.arena import Arena
 from lmcache_svc.cache import TieredCache
 from lmcache_svc.cache.values import TierPolicy
-from lmcache_svc.server.grpc import CacheServicer
+from lmcache_svc.server.grpc.cache_service import CacheServicer
+from lmcache_svc.shm.arena import Arena
 from lmcache_svc.tiers.base import Tier
 from lmcache_svc.tiers.cpu import CpuTier
 from lmcache_svc.tiers.ssd import SsdTier

@@ -32,7 +32,7 @@ from lmcache_svc.errors import (
 )
 from lmcache_svc.keys import chunk_hashes
 from lmcache_svc.server.auth import check_bearer
-from lmcache_svc.server.http import create_app
+from lmcache_svc.server.http.api import create_app
 from lmcache_svc.server.status import grpc_code, http_status
 from tests.helpers import CHUNK_BYTES, make_chunk, make_layout, make_namespace
 from tests.server.rest import MAX_BODY_BYTES, MAX_CHUNKS, Served, make_cache

@@ -12,9 +12,9 @@ from typing import Any
 
 import pytest
 
-from lmcache_svc.server.http import DEFAULT_MAX_JSON_BYTES
-from lmcache_svc.server.http_models import KeysRequest
-from lmcache_svc.server.http_server import ConnectionLimits
+from lmcache_svc.server.http.api import DEFAULT_MAX_JSON_BYTES
+from lmcache_svc.server.http.models import KeysRequest
+from lmcache_svc.server.http.server import ConnectionLimits
 from tests.helpers import CHUNK_BYTES, make_chunk, make_namespace
 from tests.server.rest import Served
 from tests.server.test_http import _connect, _read_response, assert_error

@@ -11,7 +11,7 @@ from pydantic import ValidationError
 
 from lmcache_svc.errors import InvalidArgument
 from lmcache_svc.keys import MAX_FIELD_VALUE, KVLayout, Namespace
-from lmcache_svc.server.http_models import KVLayoutModel, NamespaceModel
+from lmcache_svc.server.http.models import KVLayoutModel, NamespaceModel
 
 BOUNDED = {"maximum": MAX_FIELD_VALUE, "type": "integer"}
 

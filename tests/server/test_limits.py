@@ -17,18 +17,18 @@ import httpx
 import pytest
 
 from lmcache_svc import errors
-from lmcache_svc.arena import Arena
-from lmcache_svc.bench.procs import ServerProc, start_server
 from lmcache_svc.cache import TieredCache
 from lmcache_svc.cache.settings import CacheSettings
 from lmcache_svc.client import CacheClient
 from lmcache_svc.keys import MAX_FIELD_VALUE, Namespace, chunk_hashes
-from lmcache_svc.server.grpc import build_grpc_server
-from lmcache_svc.server.http import create_app, make_uvicorn_server
+from lmcache_svc.server.grpc.cache_service import build_grpc_server
+from lmcache_svc.server.http.api import create_app, make_uvicorn_server
+from lmcache_svc.shm.arena import Arena
 from lmcache_svc.tiers.cpu import CpuTier
 from lmcache_svc.v1 import cache_pb2 as pb
 from lmcache_svc.v1 import cache_pb2_grpc as pb_grpc
 from lmcache_svc.wire import namespace_to_pb
+from lmcache_svc_bench.procs import ServerProc, start_server
 from tests.helpers import make_namespace
 
 MAX_NAMESPACES = 3
@@ -270,7 +270,7 @@ def test_an_unexpected_exception_is_internal_with_a_generic_message(
         )),
         "OpenSession": lambda: next(iter(stub.OpenSession(pb.OpenSessionRequest(), timeout=10))),
     }  # fmt: skip
-    with caplog.at_level(logging.ERROR, logger="lmcache_svc.server.grpc_calls"):
+    with caplog.at_level(logging.ERROR, logger="lmcache_svc.server.grpc.calls"):
         err = rpc_error(calls[method])
     assert err.code() == grpc.StatusCode.INTERNAL, err.details()
     assert "secret" not in err.details() and "Traceback" not in err.details()

@@ -13,15 +13,15 @@ from typing import Any
 
 import pytest
 
-from lmcache_svc.arena import Arena
 from lmcache_svc.cache import TieredCache
 from lmcache_svc.cache.settings import CacheSettings
 from lmcache_svc.cache.values import TierPolicy
 from lmcache_svc.client import CacheClient
-from lmcache_svc.index_publisher import IndexPublisher
 from lmcache_svc.keys import KVLayout, Namespace
-from lmcache_svc.server.grpc import build_grpc_server
+from lmcache_svc.server.grpc.cache_service import build_grpc_server
+from lmcache_svc.server.index_publisher import IndexPublisher
 from lmcache_svc.server.tokens import Authenticator
+from lmcache_svc.shm.arena import Arena
 from lmcache_svc.tiers.cpu import CpuTier
 from lmcache_svc.tiers.ssd import SsdTier
 

@@ -12,9 +12,9 @@ import httpx
 import pytest
 
 from lmcache_svc import errors
-from lmcache_svc.bench.procs import ServerProc, start_server
 from lmcache_svc.client import CacheClient, MemoryInfo
-from tests.memories.blobs import make_memory, memory_id_of
+from lmcache_svc_bench.procs import ServerProc, start_server
+from tests.server.memories.blobs import make_memory, memory_id_of
 from tests.server.test_grpc import run_py
 from tests.server.test_http import metric_value
 
@@ -48,7 +48,7 @@ def test_a_memory_added_by_one_process_is_seen_by_another(
     server = start(servers, tmp_path)
     writer = f"""
         from lmcache_svc.client import CacheClient
-        from tests.memories.blobs import make_memory
+        from tests.server.memories.blobs import make_memory
         c = CacheClient({server.socket!r}, timeout_s=30)
         c.wait_ready(30)
         with c:

@@ -11,8 +11,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from lmcache_svc.memories.store import MemoryStore
-from tests.memories.blobs import make_memory, memory_id_of
+from lmcache_svc.server.memories.store import MemoryStore
+from tests.server.memories.blobs import make_memory, memory_id_of
 from tests.server.rest import App
 from tests.server.test_http import TOKEN, assert_error, metric_value
 

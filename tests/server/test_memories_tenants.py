@@ -10,10 +10,10 @@ import httpx
 import pytest
 
 from lmcache_svc import errors
-from lmcache_svc.bench.procs import ServerProc, start_server
 from lmcache_svc.client import CacheClient
 from lmcache_svc.server.tokens import Authenticator
-from tests.memories.blobs import make_memory, memory_id_of
+from lmcache_svc_bench.procs import ServerProc, start_server
+from tests.server.memories.blobs import make_memory, memory_id_of
 from tests.server.rest import App
 from tests.server.test_memories_http import MEMORIES
 from tests.server.test_tenants import ACME, ACME_READER, ADMIN, BOB, bearer, tokens_file  # noqa: F401

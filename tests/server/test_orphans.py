@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from lmcache_svc.bench.procs import ServerProc, start_server
+from lmcache_svc_bench.procs import ServerProc, start_server
 
 
 def test_two_quick_kills_leave_no_orphan_and_the_live_server_keeps_its_segment(

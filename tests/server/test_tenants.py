@@ -20,12 +20,12 @@ import httpx
 import pytest
 
 from lmcache_svc import errors
-from lmcache_svc.bench.procs import ServerProc, start_server
 from lmcache_svc.client import CacheClient
 from lmcache_svc.config import load_config
 from lmcache_svc.errors import ConfigError, Unauthenticated
 from lmcache_svc.keys import Namespace, chunk_hashes
 from lmcache_svc.server.tokens import RECHECK_S, Authenticator, read_tokens_file
+from lmcache_svc_bench.procs import ServerProc, start_server
 from tests.helpers import make_chunk, make_namespace
 from tests.server.rest import Served
 from tests.server.test_http import assert_error

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import httpx
 
-from lmcache_svc.bench.procs import start_server
 from lmcache_svc.client import CacheClient
 from lmcache_svc.keys import chunk_hashes
+from lmcache_svc_bench.procs import start_server
 from tests.helpers import make_chunk
 from tests.server.test_grpc import CHUNK, NS
 

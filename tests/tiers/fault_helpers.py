@@ -9,8 +9,8 @@ import httpx
 import redis
 from prometheus_client.parser import text_string_to_metric_families
 
-from lmcache_svc.bench.procs import ServerProc
 from lmcache_svc.tiers.redis import HEADER
+from lmcache_svc_bench.procs import ServerProc
 
 KEY_PREFIX = "lmcache-svc:v1:"
 

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from lmcache_svc.arena import Arena
 from lmcache_svc.errors import Corrupted, InvalidArgument, TierError
 from lmcache_svc.keys import ChunkKey
+from lmcache_svc.shm.arena import Arena
 from lmcache_svc.tiers.base import MEDIA, Failed, SlotTier, Tier
 from lmcache_svc.tiers.cpu import CpuTier
 from lmcache_svc.tiers.ssd import SsdTier
@@ -188,8 +188,8 @@ def _faulty_ssd(tmp_path: Path, request: pytest.FixtureRequest) -> Faulty:
 def _faulty_redis_on(request: pytest.FixtureRequest, fixture: str, cluster: bool) -> Faulty:
     """A Redis user who may read every key of the tier but write only those of good chunks:
     a SET of a ``BAD`` one gets ``-NOPERM``, with the connection left open."""
-    from lmcache_svc.bench.redis_procs import send_command
     from lmcache_svc.tiers.redis import RedisTier
+    from lmcache_svc_bench.redis_procs import send_command
 
     procs = request.getfixturevalue(fixture)
     nodes = procs.nodes if cluster else [procs]

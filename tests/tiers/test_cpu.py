@@ -8,8 +8,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from lmcache_svc.arena import HEADER_BYTES, SHM_DIR, Arena, ArenaMapping
 from lmcache_svc.errors import InvalidArgument
+from lmcache_svc.shm.arena import HEADER_BYTES, SHM_DIR, Arena, ArenaMapping
 from lmcache_svc.tiers.base import SegmentInfo, Slot
 from lmcache_svc.tiers.cpu import CpuTier
 from tests.helpers import make_chunk, make_key

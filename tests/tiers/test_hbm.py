@@ -14,13 +14,13 @@ import pytest
 pytest.importorskip("torch", reason="the HBM tier needs torch (the [torch] extra)")
 import torch
 
-from lmcache_svc.arena import Arena
 from lmcache_svc.cache import TieredCache
 from lmcache_svc.cache.values import TierPolicy
 from lmcache_svc.config import load_config
 from lmcache_svc.errors import ConfigError, InvalidArgument
 from lmcache_svc.keys import ChunkKey, KVLayout, Namespace
 from lmcache_svc.server.app import build_cache
+from lmcache_svc.shm.arena import Arena
 from lmcache_svc.tiers.cpu import CpuTier
 from lmcache_svc.tiers.cuda_ipc import CudaIpcHandle, export_handle
 from lmcache_svc.tiers.hbm import DevicePool, HbmTier

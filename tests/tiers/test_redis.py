@@ -13,11 +13,11 @@ import pytest
 import redis
 import xxhash
 
-from lmcache_svc.bench.redis_procs import RedisClusterProcs, RedisProc
 from lmcache_svc.errors import ConfigError, Corrupted, InvalidArgument, TierError
 from lmcache_svc.keys import ChunkKey
 from lmcache_svc.tiers.base import Failed, ItemResult
 from lmcache_svc.tiers.redis import HEADER, RedisTier
+from lmcache_svc_bench.redis_procs import RedisClusterProcs, RedisProc
 from tests.helpers import make_chunk, make_key
 
 KiB = 1 << 10

@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from lmcache_svc.bench.procs import ServerProc, start_server
-from lmcache_svc.bench.redis_procs import RedisProc, send_command
 from lmcache_svc.client import CacheClient
 from lmcache_svc.keys import chunk_hashes
+from lmcache_svc_bench.procs import ServerProc, start_server
+from lmcache_svc_bench.redis_procs import RedisProc, send_command
 from tests.helpers import make_chunk
 from tests.server.test_grpc import CHUNK, NS
 from tests.tiers.fault_helpers import metric, redis_holds, tier_stats, wait_for

@@ -10,9 +10,9 @@ import hashlib
 import threading
 from pathlib import Path
 
-from lmcache_svc.bench.procs import ServerProc, start_server
 from lmcache_svc.client import CacheClient
 from lmcache_svc.keys import chunk_hashes
+from lmcache_svc_bench.procs import ServerProc, start_server
 from tests.server.test_grpc import NS
 from tests.tiers.fault_helpers import tier_stats, wait_for
 

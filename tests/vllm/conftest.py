@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from lmcache_svc.bench.vllm.engines import VLLM_PYTHON
+from lmcache_svc_bench.vllm.engines import VLLM_PYTHON
 from tests.vllm.e2e import Env, start_env
 
 PLUGIN_DIR = Path(__file__).resolve().parents[2] / "connectors" / "vllm"

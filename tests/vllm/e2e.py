@@ -20,11 +20,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lmcache_svc.bench.procs import ServerProc, start_server
-from lmcache_svc.bench.vllm.bench_model import HEAD_SIZE, NUM_KV_HEADS, VOCAB_SIZE, make_tiny_model
-from lmcache_svc.bench.vllm.engines import EngineProc, delta, kv_transfer_config
 from lmcache_svc.client import CacheClient
 from lmcache_svc.keys import KVLayout, Namespace, chunk_hashes
+from lmcache_svc_bench.procs import ServerProc, start_server
+from lmcache_svc_bench.vllm.bench_model import HEAD_SIZE, NUM_KV_HEADS, VOCAB_SIZE, make_tiny_model
+from lmcache_svc_bench.vllm.engines import EngineProc, delta, kv_transfer_config
 
 HERE = Path(__file__).resolve().parent
 CHUNK = 256  # pinned (two blocks): the tests below count hits in these chunks

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 from lmcache_svc_vllm.config import ConnectorConfig, default_chunk_size, parse_config
 
-from lmcache_svc.bench.vllm_common import BLOCK_SIZE
-from lmcache_svc.bench.vllm_ttft import PLUGIN_DEFAULT_CHUNK
 from lmcache_svc.errors import ConfigError
+from lmcache_svc_bench.vllm_common import BLOCK_SIZE
+from lmcache_svc_bench.vllm_ttft import PLUGIN_DEFAULT_CHUNK
 
 
 def test_defaults() -> None:

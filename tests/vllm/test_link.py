@@ -19,9 +19,9 @@ import pytest
 from lmcache_svc_vllm.config import ConnectorConfig
 from lmcache_svc_vllm.link import Reservation, ServerLink
 
-from lmcache_svc.bench.procs import start_server
 from lmcache_svc.client import CacheClient
 from lmcache_svc.keys import KVLayout, Namespace, chunk_hashes
+from lmcache_svc_bench.procs import start_server
 
 NAMESPACE = Namespace(
     model="link-test",

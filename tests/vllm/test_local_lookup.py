@@ -23,9 +23,9 @@ from lmcache_svc_vllm.scheduler import SchedulerSide
 from lmcache_svc_vllm.stats import StatsRecorder
 from lmcache_svc_vllm.worker import WorkerSide
 
-from lmcache_svc.bench.procs import ServerProc, start_server
 from lmcache_svc.client import CacheClient
 from lmcache_svc.keys import chunk_hashes
+from lmcache_svc_bench.procs import ServerProc, start_server
 from tests.vllm.test_scheduler_side import (
     BLOCK,
     CHUNK,

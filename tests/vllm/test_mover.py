@@ -18,9 +18,9 @@ from lmcache_svc_vllm.layout import KVPages
 from lmcache_svc_vllm.mover import ChunkLoad, ChunkSave, PageMover, runs_of
 from lmcache_svc_vllm.streams import SyncStream, copy_stream_for
 
-from lmcache_svc.bench.procs import ServerProc, start_server
 from lmcache_svc.client import CacheClient
 from lmcache_svc.keys import KVLayout, Namespace, chunk_hashes
+from lmcache_svc_bench.procs import ServerProc, start_server
 from tests.gpu.kv_layout import KVShape, make_kv_caches, page_order
 
 SHAPE = KVShape(num_layers=3, num_blocks=12, block_size=16, num_kv_heads=2, head_size=32)

@@ -19,10 +19,10 @@ from lmcache_svc_vllm.link import ServerLink
 from lmcache_svc_vllm.scheduler import SchedulerSide
 from lmcache_svc_vllm.stats import StatsRecorder
 
-from lmcache_svc.bench.procs import ServerProc, start_server
 from lmcache_svc.client import CacheClient
 from lmcache_svc.keys import KVLayout, Namespace, chunk_hashes
-from lmcache_svc.shm_index import STALE_S
+from lmcache_svc.shm.lookup_index import STALE_S
+from lmcache_svc_bench.procs import ServerProc, start_server
 
 BLOCK, CHUNK = 128, 256
 NAMESPACE = Namespace(

@@ -16,11 +16,11 @@ import time
 
 import pytest
 
-from lmcache_svc.bench.procs import start_server
-from lmcache_svc.bench.vllm.bench_model import make_tiny_model
-from lmcache_svc.bench.vllm.engines import EngineProc, delta, kv_transfer_config
 from lmcache_svc.client import CacheClient
 from lmcache_svc.keys import chunk_hashes
+from lmcache_svc_bench.procs import start_server
+from lmcache_svc_bench.vllm.bench_model import make_tiny_model
+from lmcache_svc_bench.vllm.engines import EngineProc, delta, kv_transfer_config
 from tests.vllm.e2e import (
     BLOCK,
     CHUNK,

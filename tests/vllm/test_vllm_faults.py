@@ -24,8 +24,8 @@ from typing import Any, Literal
 import pytest
 from lmcache_svc_vllm.config import ConnectorConfig
 
-from lmcache_svc.bench.procs import start_server
-from lmcache_svc.bench.vllm.engines import EngineProc, delta
+from lmcache_svc_bench.procs import start_server
+from lmcache_svc_bench.vllm.engines import EngineProc, delta
 from tests.vllm.e2e import MAX_TOKENS, Env, hits_again, wait_stored
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(600)]

@@ -20,9 +20,9 @@ from lmcache_svc_vllm.metadata import LoadPlan, SavePlan, StepPlan
 from lmcache_svc_vllm.stats import StatsRecorder
 from lmcache_svc_vllm.worker import WorkerSide
 
-from lmcache_svc.bench.procs import ServerProc, start_server
 from lmcache_svc.client import CacheClient
 from lmcache_svc.keys import KVLayout, Namespace, chunk_hashes
+from lmcache_svc_bench.procs import ServerProc, start_server
 
 BLOCK, CHUNK, NUM_BLOCKS, LAYERS, HEADS, HEAD_SIZE = 128, 256, 16, 2, 1, 32
 NAMESPACE = Namespace(

@@ -22,9 +22,9 @@ from dataclasses import dataclass, field
 from typing import TypeVar
 
 from lmcache_svc.client import CacheClient, LoadLease, LookupResult
+from lmcache_svc.client.store_pool import PooledSlot, StorePool
 from lmcache_svc.errors import LMCacheSvcError, ServerUnavailable
 from lmcache_svc.keys import Namespace, NamespaceId
-from lmcache_svc.store_pool import PooledSlot, StorePool
 from lmcache_svc_vllm.config import ConnectorConfig
 
 logger = logging.getLogger(f"vllm.{__name__}")

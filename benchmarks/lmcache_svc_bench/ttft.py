@@ -1,0 +1,178 @@
+"""``bench ttft``: time to first token on real vLLM (CPU), MemOS-style matrix.
+
+Background contexts of about 583, 2,773 and 6,064 tokens times queries of about 167, 303
+and 953 tokens (MemOS's KVCacheMemory evaluation), random token ids, a random-weight Llama
+(``bench_model.MEDIUM``: 8 layers, hidden 1024, 32 KiB of KV per token). Four strategies
+(``vllm_ttft.py``): (a) prompt only, (b) lmcache-svc hit in a fresh engine with the plugin's
+defaults (no chunk settings), (c) vLLM's own prefix-cache hit in the same engine, (d) vLLM's
+ExampleConnector hit in a fresh engine. The targets are evaluated on (b).
+
+TTFT is timed inside the engine process, per request, as a streaming client sees it: from
+``LLMEngine.add_request`` to the first ``step()`` that returns a generated token (the
+request then goes on to ``max_tokens`` greedy tokens, which must be identical across the
+strategies). Each cell has several queries (different random tokens of the same length, so
+(c) never hits the query itself); the table gives the median per cell.
+
+``--set`` keys: ``model`` (tiny|medium), ``contexts`` / ``queries`` (comma-separated token
+counts), ``num_queries``, ``max_tokens``, ``chunk_size`` (configure (b)'s plugin with it;
+default: unset, so the plugin derives it from the block size), ``strategies`` (of
+a,b,b256,c,d; b256 is (b) with ``chunk_size: 256``, the plugin's default before it was
+derived from the block size), ``seed``.
+"""
+
+from __future__ import annotations
+
+import random
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+from lmcache_svc_bench.procs import start_server
+from lmcache_svc_bench.report import Report
+from lmcache_svc_bench.runner import BenchContext
+from lmcache_svc_bench.vllm.engines import example_connector_config
+from lmcache_svc_bench.vllm_common import (
+    MAX_MODEL_LEN,
+    kv_bytes_per_token,
+    make_model,
+    random_tokens,
+    require_vllm,
+    shape_named,
+)
+from lmcache_svc_bench.vllm_ttft import (
+    Results,
+    Setup,
+    Workload,
+    example_connector,
+    lmcache_svc,
+    plugin_config,
+    prompt_only,
+    vllm_prefix_cache,
+    write_contexts,
+)
+from lmcache_svc_bench.vllm_ttft_report import write_report
+
+STRATEGIES = ("a", "b", "b256", "c", "d")
+QUICK_STRATEGIES = FULL = "a,b,c,d"
+EXPLICIT_CHUNKS = {"b256": 256}  # strategies that configure a chunk size of their own
+
+
+@dataclass(frozen=True)
+class Params:
+    model: str
+    contexts: tuple[int, ...]
+    queries: tuple[int, ...]
+    num_queries: int
+    max_tokens: int
+    chunk_size: int | None  # None: the plugin's default
+    strategies: tuple[str, ...]
+    seed: int
+
+    def check(self) -> None:
+        shape_named(self.model)
+        unknown = set(self.strategies) - set(STRATEGIES)
+        if unknown or "a" not in self.strategies:
+            raise ValueError(
+                f"strategies must include a and be of {','.join(STRATEGIES)}, "
+                f"got {','.join(self.strategies)}"
+            )
+        longest = max(self.contexts) + max(self.queries) + self.max_tokens
+        if longest > MAX_MODEL_LEN:
+            raise ValueError(f"longest prompt {longest} tokens > max_model_len {MAX_MODEL_LEN}")
+        if self.chunk_size is not None and self.chunk_size < 1:
+            raise ValueError(f"chunk_size must be positive, got {self.chunk_size}")
+        if min(self.contexts + self.queries) < 1 or self.num_queries < 1 or self.max_tokens < 1:
+            raise ValueError("contexts, queries, num_queries and max_tokens must be positive")
+
+
+def params(ctx: BenchContext) -> Params:
+    quick = ctx.quick
+    p = Params(
+        model=ctx.option("model", "tiny" if quick else "medium"),
+        contexts=_ints(ctx.option("contexts", "2773" if quick else "583,2773,6064")),
+        queries=_ints(ctx.option("queries", "167,953" if quick else "167,303,953")),
+        num_queries=ctx.option("num_queries", 2 if quick else 3),
+        max_tokens=ctx.option("max_tokens", 8),
+        chunk_size=_optional_int(ctx.option("chunk_size", None)),
+        strategies=tuple(ctx.option("strategies", QUICK_STRATEGIES if quick else FULL).split(",")),
+        seed=ctx.option("seed", 0),
+    )
+    p.check()
+    return p
+
+
+def _optional_int(text: str | None) -> int | None:
+    if text is None:
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(f"chunk_size must be an integer, got {text!r}") from None
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in str(text).split(",") if x.strip())
+    except ValueError:
+        raise ValueError(f"expected comma-separated token counts, got {text!r}") from None
+
+
+def make_workload(p: Params) -> Workload:
+    rng = random.Random(p.seed)
+    contexts = {n: random_tokens(rng, n) for n in p.contexts}
+    queries = {
+        (c, q): [random_tokens(rng, q) for _ in range(p.num_queries)]
+        for c in p.contexts
+        for q in p.queries
+    }
+    warmup = random_tokens(rng, max(p.contexts) + max(p.queries))
+    return Workload(contexts, queries, warmup, p.max_tokens)
+
+
+def run(ctx: BenchContext) -> Report:
+    require_vllm()
+    p = params(ctx)
+    workload = make_workload(p)
+    shape = shape_named(p.model)
+    ctx.progress(
+        f"model {p.model} ({shape.num_layers} layers, hidden {shape.hidden}, "
+        f"{kv_bytes_per_token(shape) // 1024} KiB KV/token); {len(workload.queries)} cells x "
+        f"{p.num_queries} queries; strategies {','.join(p.strategies)}"
+    )
+    model_dir = make_model(ctx.work_dir, p.model)
+    server_bytes = "256MiB" if p.model == "tiny" else "3GiB"
+    server = start_server(ctx.work_dir, "--cpu-bytes", server_bytes, "--prefault", "sync")
+    try:
+        setup = Setup(model_dir, ctx.work_dir, server.socket, p.chunk_size, ctx.progress)
+        results = _run_strategies(setup, workload, p, ctx.work_dir / "example-kv")
+    finally:
+        server.cleanup()
+    report = ctx.report()
+    write_report(report, p, results, ctx.out_dir)
+    return report
+
+
+def _run_strategies(
+    setup: Setup, workload: Workload, p: Params, storage_dir: Path
+) -> dict[str, Results]:
+    results: dict[str, Results] = {}
+    try:
+        for name in p.strategies:
+            setup.progress(f"strategy {name}")
+            if name == "a":
+                results[name] = prompt_only(setup, workload)
+            elif name == "c":
+                results[name] = vllm_prefix_cache(setup, workload)
+            elif name == "d":
+                storage_dir.mkdir(parents=True, exist_ok=True)
+                write_contexts(setup, workload, name, example_connector_config(storage_dir))
+                results[name] = example_connector(setup, workload, storage_dir)
+            else:
+                chunk_size = EXPLICIT_CHUNKS.get(name, p.chunk_size)
+                write_contexts(setup, workload, name, plugin_config(setup, chunk_size))
+                results[name] = lmcache_svc(
+                    setup, workload, chunk_size=chunk_size, name=f"{name}-lmcache"
+                )
+    finally:
+        shutil.rmtree(storage_dir, ignore_errors=True)
+    return results

@@ -1,0 +1,415 @@
+"""A read-only lookup index in shared memory: which chunks the first tier holds.
+
+The server publishes, per tenant, a fixed-size open-addressing table of 64-bit chunk
+fingerprints in its own POSIX shared-memory segment; a client on the same host maps it
+read-only and answers ``Lookup`` without a round trip (``IndexReader.lookup``). The server
+is the only writer (under its cache lock); readers take no lock.
+
+Layout (native little-endian uint64 words):
+
+- bytes 0-4095, the header: word 0 ``MAGIC``, words 1-2 a random nonce (the client checks
+  it against the one its session announced), word 3 the number of slots (a power of two),
+  word 4 the sequence counter, word 5 the number of entries, word 6 flags, word 7 the
+  server's heartbeat (``CLOCK_MONOTONIC`` in ns, one clock for every process of a host),
+  then the tenant (``TENANT_OFFSET``, length-prefixed UTF-8), the first tier's name
+  (``TIER_OFFSET``) and its medium (``MEDIUM_OFFSET``, ``Tier.medium``);
+- then one word per slot: 0 for empty, else a fingerprint (the first 8 bytes of the chunk
+  hash, a sha256 digest; 0 is stored as 1).
+
+Linear probing; removal shifts the following entries back (no tombstones), so a table never
+degrades. An insert past ``MAX_LOAD`` is refused and the table marks itself
+``FLAG_INCOMPLETE`` until every refused chunk is indexed (as removals make room) or gone.
+
+Readers and the writer: a sequence lock. The writer makes the counter odd before it changes
+any slot and even again after; a reader that saw an odd counter, or a different counter
+after its probes, retries (a few times, then gives up: the caller asks the server). Every
+word is one aligned 8-byte load or store, so a reader sees a slot's old or new value, never
+a mix: a fingerprint it finds was written by the server for some chunk (no key that was
+never inserted is reported). A 64-bit fingerprint can collide: with a million chunks
+indexed, a given absent chunk matches one of them with probability 2^-44. Either way a hit
+is only a promise; the load's lease (``PrepareLoad``) decides, and a chunk it cannot pin is
+recomputed by the engine, never read wrong. The ordering argument assumes the x86-64
+memory model (stores are seen in program order), which is where this runs.
+
+A miss is final only when the table is complete: ``FLAG_INCOMPLETE`` (overflow) or
+``FLAG_LOWER_TIERS`` (the server has tiers below the arena, whose chunks are hits for
+``Lookup`` but are not indexed here) make a short answer ``None``, and the client asks the
+server. ``FLAG_CLOSED``: the server stopped; nothing here is current any more. A server
+that was killed cannot say so: the reader then finds the segment's lock (held by the server
+for its lifetime, as the arena's is) free, and answers nothing either. A server that hangs
+(SIGSTOP, a stuck process) stops stamping its heartbeat; ``STALE_S`` later its tables
+answer nothing and the client's gRPC Lookup meets its deadline, as without the index.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import mmap
+import os
+import secrets
+import time
+import weakref
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from lmcache_svc.errors import InvalidArgument
+from lmcache_svc.results import LookupResult
+from lmcache_svc.shm.arena import SHM_DIR, check_segment_name
+from lmcache_svc.tiers.base import MEDIA, Medium
+
+MAGIC = int.from_bytes(b"LMCSVCI2", "little")  # 2: the header holds the medium
+HEADER_BYTES = 4096
+W_MAGIC, W_NONCE0, W_NONCE1, W_SLOTS, W_SEQ, W_COUNT, W_FLAGS, W_BEAT = range(8)
+TENANT_OFFSET = 64
+TENANT_MAX_BYTES = 1024
+TIER_OFFSET = TENANT_OFFSET + 8 + TENANT_MAX_BYTES
+TIER_MAX_BYTES = 256
+MEDIUM_OFFSET = TIER_OFFSET + 8 + TIER_MAX_BYTES
+MEDIUM_MAX_BYTES = 64
+FLAG_LOWER_TIERS = 1
+FLAG_INCOMPLETE = 2
+FLAG_CLOSED = 4
+MAX_LOAD = 0.75
+MAX_READ_TRIES = 64
+BEAT_S = 0.02
+"""How often the server stamps each table (``IndexTable.beat``)."""
+STALE_S = 0.25
+"""A table whose stamp is older than this is not answered from (a hung server)."""
+STALE_NS = int(STALE_S * 1e9)
+INDEX_TRANSPORT = "shm-index"
+"""``Segment.transport`` of an index segment in the session's first event."""
+
+
+def fingerprint(chunk_hash: bytes) -> int:
+    """The 64-bit word that stands for a chunk in the table (never 0, the empty mark)."""
+    return int.from_bytes(chunk_hash[:8], "little") or 1
+
+
+def segment_bytes(num_slots: int) -> int:
+    return HEADER_BYTES + 8 * num_slots
+
+
+def check_num_slots(num_slots: int) -> int:
+    if isinstance(num_slots, bool) or not isinstance(num_slots, int) or num_slots < 8:
+        raise InvalidArgument(f"index slots must be an integer >= 8, got {num_slots!r}")
+    if num_slots & (num_slots - 1):
+        raise InvalidArgument(f"index slots must be a power of two, got {num_slots}")
+    return num_slots
+
+
+def _put_text(buf: memoryview, offset: int, limit: int, text: str) -> None:
+    data = text.encode()
+    if len(data) > limit:
+        raise InvalidArgument(f"{text[:40]!r}... is over {limit} bytes")
+    buf[offset : offset + 8] = len(data).to_bytes(8, "little")
+    buf[offset + 8 : offset + 8 + len(data)] = data
+
+
+def _get_text(buf: memoryview, offset: int, limit: int) -> str | None:
+    length = int.from_bytes(buf[offset : offset + 8], "little")
+    if length > limit:
+        return None
+    try:
+        return bytes(buf[offset + 8 : offset + 8 + length]).decode()
+    except UnicodeDecodeError:
+        return None
+
+
+def _get_medium(buf: memoryview) -> Medium | None:
+    """The header's medium, or None for one this reader does not know."""
+    text = _get_text(buf, MEDIUM_OFFSET, MEDIUM_MAX_BYTES)
+    for medium in MEDIA:
+        if text == medium:
+            return medium
+    return None
+
+
+class IndexTable:
+    """The writer: one table over a writable buffer. Not thread-safe (the cache's lock)."""
+
+    def __init__(
+        self, buf: memoryview, num_slots: int, tenant: str, tier_name: str, medium: Medium
+    ) -> None:
+        check_num_slots(num_slots)
+        if len(buf) != segment_bytes(num_slots):
+            need = segment_bytes(num_slots)
+            raise InvalidArgument(f"index buffer is {len(buf)} bytes, need {need}")
+        self._buf = buf
+        self._words = buf.cast("Q")
+        self._slots = self._words[HEADER_BYTES // 8 :]
+        self._mask = num_slots - 1
+        self.num_slots = num_slots
+        self.max_entries = int(num_slots * MAX_LOAD)
+        self.nonce = secrets.token_bytes(16)
+        self._refused: set[int] = set()
+        self._count = 0
+        _put_text(buf, TENANT_OFFSET, TENANT_MAX_BYTES, tenant)
+        _put_text(buf, TIER_OFFSET, TIER_MAX_BYTES, tier_name)
+        _put_text(buf, MEDIUM_OFFSET, MEDIUM_MAX_BYTES, medium)
+        w = self._words
+        w[W_NONCE0] = int.from_bytes(self.nonce[:8], "little")
+        w[W_NONCE1] = int.from_bytes(self.nonce[8:], "little")
+        w[W_SLOTS], w[W_SEQ], w[W_COUNT], w[W_FLAGS] = num_slots, 0, 0, 0
+        w[W_BEAT] = time.monotonic_ns()
+        w[W_MAGIC] = MAGIC  # last: a reader never trusts a half-written header
+
+    @property
+    def num_entries(self) -> int:
+        return self._count
+
+    @property
+    def complete(self) -> bool:
+        return not self._refused
+
+    def _begin(self) -> None:
+        self._words[W_SEQ] += 1  # odd: writing
+
+    def _end(self) -> None:
+        self._words[W_COUNT] = self._count
+        self._words[W_SEQ] += 1
+
+    def _set_flag(self, flag: int, on: bool) -> None:
+        w = self._words
+        w[W_FLAGS] = (w[W_FLAGS] | flag) if on else (w[W_FLAGS] & ~flag)
+
+    def set_lower_tiers(self, on: bool) -> None:
+        """Whether a chunk missing here may still be a hit (in a tier below the arena)."""
+        self._set_flag(FLAG_LOWER_TIERS, on)
+
+    def beat(self) -> None:
+        """Stamp the table: the server is alive and keeps it current."""
+        self._words[W_BEAT] = time.monotonic_ns()
+
+    def mark_closed(self) -> None:
+        self._set_flag(FLAG_CLOSED, True)
+
+    def _find(self, fp: int) -> int | None:
+        slots, mask = self._slots, self._mask
+        i = fp & mask
+        while True:
+            word = slots[i]
+            if word == fp:
+                return i
+            if word == 0:
+                return None
+            i = (i + 1) & mask
+
+    def insert(self, chunk_hash: bytes) -> bool:
+        """Index a chunk; False when the table is full (it is then marked incomplete)."""
+        fp = fingerprint(chunk_hash)
+        if self._find(fp) is not None:
+            return True  # already there (or a colliding fingerprint: a hit either way)
+        if self._count >= self.max_entries:
+            if fp not in self._refused:
+                self._refused.add(fp)
+                self._set_flag(FLAG_INCOMPLETE, True)
+            return False
+        self._place(fp)
+        return True
+
+    def _place(self, fp: int) -> None:
+        slots, mask = self._slots, self._mask
+        i = fp & mask
+        while slots[i] != 0:
+            i = (i + 1) & mask
+        self._begin()
+        slots[i] = fp  # a new word in an empty slot: readers see all or nothing of it
+        self._count += 1
+        self._end()
+
+    def _take_refused(self) -> None:
+        """Room again: index a chunk refused while the table was full."""
+        while self._refused and self._count < self.max_entries:
+            fp = self._refused.pop()
+            if self._find(fp) is None:
+                self._place(fp)
+        if not self._refused:
+            self._set_flag(FLAG_INCOMPLETE, False)
+
+    def remove(self, chunk_hash: bytes) -> bool:
+        """Drop a chunk (backward-shift deletion); False if it was not indexed."""
+        fp = fingerprint(chunk_hash)
+        if fp in self._refused:
+            self._refused.discard(fp)
+            if not self._refused:
+                self._set_flag(FLAG_INCOMPLETE, False)
+            return False
+        i = self._find(fp)
+        if i is None:
+            return False
+        slots, mask = self._slots, self._mask
+        self._begin()
+        try:
+            j = i
+            while True:
+                j = (j + 1) & mask
+                word = slots[j]
+                if word == 0:
+                    break
+                home = word & mask
+                # Move ``word`` into the hole at ``i`` unless its home lies in (i, j].
+                if (j > i and (home <= i or home > j)) or (j < i and i >= home > j):
+                    slots[i] = word
+                    i = j
+            slots[i] = 0
+            self._count -= 1
+        finally:
+            self._end()
+        if self._refused:
+            self._take_refused()
+        return True
+
+    def contains(self, chunk_hash: bytes) -> bool:
+        return self._find(fingerprint(chunk_hash)) is not None
+
+    def release(self) -> None:
+        self._slots.release()
+        self._words.release()
+
+
+@dataclass(frozen=True, slots=True)
+class IndexAnswer:
+    """Leading chunks found; ``final`` False: a shorter answer than asked may be wrong."""
+
+    num_hit_chunks: int
+    final: bool
+
+
+class IndexReader:
+    """A client's read-only mapping of one tenant's table. Thread-safe (reads only)."""
+
+    def __init__(self, mm: mmap.mmap, fd: int, tenant: str, tier_name: str, medium: Medium) -> None:
+        self._mm = mm
+        self._fd: int | None = fd  # to ask whether the server still holds its lock
+        self._close_fd = weakref.finalize(self, os.close, fd)  # a dropped session's reader
+        self._words = memoryview(mm).cast("Q")
+        self.num_slots = self._words[W_SLOTS]
+        self._slots = self._words[HEADER_BYTES // 8 :]
+        self._mask = self.num_slots - 1
+        self.tenant = tenant
+        self.tier_name = tier_name
+        self.medium = medium
+
+    @classmethod
+    def open(cls, name: str, size: int, nonce: bytes) -> IndexReader | None:
+        """Map ``/dev/shm/<name>`` read-only; None when it is missing, of another size or
+        not the table whose nonce the session announced (e.g. a server on another host)."""
+        try:
+            path = os.path.join(SHM_DIR, check_segment_name(name))
+        except InvalidArgument:
+            return None
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError:
+            return None
+        try:
+            if size <= HEADER_BYTES or os.fstat(fd).st_size != size:
+                return None
+            mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ)
+        except OSError:
+            os.close(fd)
+            return None
+        buf = memoryview(mm)
+        words = buf.cast("Q")
+        ok = (
+            words[W_MAGIC] == MAGIC
+            and bytes(buf[8:24]) == bytes(nonce)
+            and segment_bytes(words[W_SLOTS]) == size
+            and words[W_SLOTS] & (words[W_SLOTS] - 1) == 0
+        )
+        tenant = _get_text(buf, TENANT_OFFSET, TENANT_MAX_BYTES) if ok else None
+        tier = _get_text(buf, TIER_OFFSET, TIER_MAX_BYTES) if ok else None
+        medium = _get_medium(buf) if ok else None
+        words.release()
+        buf.release()
+        if tenant is None or tier is None or medium is None:
+            mm.close()
+            os.close(fd)
+            return None
+        return cls(mm, fd, tenant, tier, medium)
+
+    @property
+    def closed(self) -> bool:
+        return self._fd is None or bool(self._words[W_FLAGS] & FLAG_CLOSED)
+
+    def _server_alive(self) -> bool:
+        """Whether the server still holds the segment's lock (it does for its lifetime; a
+        killed server never marks its table closed). One failing ``flock`` call."""
+        fd = self._fd
+        if fd is None:
+            return False
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True  # the server's exclusive lock: alive
+        except OSError:
+            return False
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return False
+
+    def lookup(self, chunk_hashes: Sequence[bytes]) -> IndexAnswer | None:
+        """Leading chunks indexed; None when the table is closed or kept changing under the
+        reads (the caller asks the server)."""
+        if time.monotonic_ns() - self._words[W_BEAT] > STALE_NS or not self._server_alive():
+            return None
+        fps = [fingerprint(h) for h in chunk_hashes]
+        words, slots, mask = self._words, self._slots, self._mask
+        limit = self.num_slots
+        for _ in range(MAX_READ_TRIES):
+            seq = words[W_SEQ]
+            if seq & 1:
+                os.sched_yield()  # the writer is mid-change: let it finish
+                continue
+            flags = words[W_FLAGS]
+            if flags & FLAG_CLOSED:
+                return None
+            num = 0
+            for fp in fps:
+                i = fp & mask
+                for _probe in range(limit):
+                    word = slots[i]
+                    if word == fp or word == 0:
+                        break
+                    i = (i + 1) & mask
+                else:
+                    word = 0
+                if word != fp:
+                    break
+                num += 1
+            if words[W_SEQ] == seq:
+                final = num == len(fps) or not flags & (FLAG_LOWER_TIERS | FLAG_INCOMPLETE)
+                return IndexAnswer(num, final)
+        return None
+
+    def close(self) -> None:
+        self._fd = None
+        self._close_fd()
+
+
+def open_index_segments(segments: Iterable[object]) -> dict[str, IndexReader]:
+    """The index segments of a session's first event that map here, by tenant."""
+    readers: dict[str, IndexReader] = {}
+    for seg in segments:
+        if getattr(seg, "transport", None) != INDEX_TRANSPORT:
+            continue
+        reader = IndexReader.open(seg.name, seg.size, seg.nonce)  # type: ignore[attr-defined]
+        if reader is not None:
+            readers[reader.tenant] = reader
+    return readers
+
+
+def answer_locally(
+    readers: dict[str, IndexReader], tenant: str, chunk_hashes: Sequence[bytes]
+) -> LookupResult | None:
+    """``Lookup``'s answer (the leading chunks held, all in the first tier, with the tier's
+    name and medium from the table's header) from the tenant's table, or None when the table
+    cannot give it (none mapped, closed, busy, or a miss that may be a hit in a lower tier or
+    an overflowed table) or a hash is malformed (the server answers that with its error)."""
+    reader = readers.get(tenant)
+    if reader is None or any(len(h) != 32 for h in chunk_hashes):
+        return None
+    answer = reader.lookup(chunk_hashes)
+    if answer is None or not answer.final:
+        return None
+    num = answer.num_hit_chunks
+    return LookupResult(num, [reader.tier_name] * num, [reader.medium] * num)

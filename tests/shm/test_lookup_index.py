@@ -1,0 +1,279 @@
+"""The shared-memory lookup table: writer operations, overflow, readers racing the writer."""
+
+from __future__ import annotations
+
+import os
+import random
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import pytest
+
+from lmcache_svc.errors import InvalidArgument
+from lmcache_svc.results import LookupResult
+from lmcache_svc.server.index_publisher import IndexSegment
+from lmcache_svc.shm.lookup_index import (
+    BEAT_S,
+    INDEX_TRANSPORT,
+    MEDIUM_OFFSET,
+    STALE_S,
+    IndexReader,
+    answer_locally,
+    fingerprint,
+    open_index_segments,
+)
+from lmcache_svc.v1 import cache_pb2 as pb
+
+
+@contextmanager
+def beating(seg: IndexSegment) -> Iterator[None]:
+    """Stamp the table's heartbeat meanwhile, as the server's publisher does."""
+    stop = threading.Event()
+
+    def beat() -> None:
+        while not stop.is_set():
+            seg.table.beat()
+            stop.wait(BEAT_S)
+
+    thread = threading.Thread(target=beat, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
+
+
+@pytest.fixture
+def seg() -> Iterator[IndexSegment]:
+    s = IndexSegment("acme", "cpu", "host_memory", 64)
+    with beating(s):
+        yield s
+    s.close()
+
+
+def _reader(seg: IndexSegment) -> IndexReader:
+    reader = IndexReader.open(seg.name, seg.size, seg.nonce)
+    assert reader is not None
+    return reader
+
+
+def _hashes(num: int, rng: random.Random) -> list[bytes]:
+    return [rng.randbytes(32) for _ in range(num)]
+
+
+def test_insert_lookup_remove_prefix(seg: IndexSegment) -> None:
+    reader = _reader(seg)
+    hs = _hashes(5, random.Random(1))
+    for h in hs[:3]:
+        assert seg.table.insert(h)
+    assert (reader.tenant, reader.tier_name, reader.medium) == ("acme", "cpu", "host_memory")
+    answer = reader.lookup(hs)
+    assert answer is not None and (answer.num_hit_chunks, answer.final) == (3, True)
+    assert seg.table.remove(hs[1])
+    assert not seg.table.remove(hs[1])  # gone already
+    answer = reader.lookup(hs)
+    assert answer is not None and answer.num_hit_chunks == 1  # a prefix: stops at the hole
+    assert answer_locally({"acme": reader}, "acme", hs[:1]) == LookupResult(
+        1, ["cpu"], ["host_memory"]
+    )
+    assert answer_locally({"acme": reader}, "globex", hs[:1]) is None  # no table mapped
+    assert answer_locally({"acme": reader}, "acme", [b"short"]) is None  # server's error
+
+
+def test_the_header_names_the_first_tier_s_medium() -> None:
+    """A local answer reports the medium the server published, e.g. an HBM first tier's."""
+    seg = IndexSegment("acme", "hbm", "device", 64)
+    try:
+        with beating(seg):
+            h, absent = _hashes(2, random.Random(3))
+            seg.table.insert(h)
+            reader = _reader(seg)
+            assert reader.medium == "device"
+            got = answer_locally({"acme": reader}, "acme", [h, absent])
+            assert got == LookupResult(1, ["hbm"], ["device"])
+            # A medium this reader does not know: the table is not used (the client asks).
+            unknown = (5).to_bytes(8, "little") + b"tapes"
+            seg._buf[MEDIUM_OFFSET : MEDIUM_OFFSET + len(unknown)] = unknown  # noqa: SLF001
+            assert IndexReader.open(seg.name, seg.size, seg.nonce) is None
+    finally:
+        seg.close()
+
+
+def test_random_operations_match_a_set(seg: IndexSegment) -> None:
+    """Backward-shift removal keeps every other key findable (colliding homes included)."""
+    rng = random.Random(7)
+    pool = _hashes(40, rng)
+    held: set[bytes] = set()
+    for _ in range(3000):
+        h = rng.choice(pool)
+        if h in held:
+            assert seg.table.remove(h)
+            held.discard(h)
+        elif seg.table.insert(h):
+            held.add(h)
+        assert seg.table.num_entries == len(held)
+    assert all(seg.table.contains(h) == (h in held) for h in pool)
+
+
+def test_overflow_marks_misses_not_final_until_room(seg: IndexSegment) -> None:
+    reader = _reader(seg)
+    hs = _hashes(seg.table.max_entries + 2, random.Random(3))
+    assert all(seg.table.insert(h) for h in hs[:-2])
+    assert not seg.table.insert(hs[-2]) and not seg.table.insert(hs[-1])
+    assert not seg.table.complete
+    answer = reader.lookup([hs[-1]])
+    assert answer is not None and not answer.final  # may be a hit: ask the server
+    full = reader.lookup(hs[:4])
+    assert full is not None and full.final and full.num_hit_chunks == 4  # a full hit is final
+    seg.table.remove(hs[0])  # room for one refused chunk
+    seg.table.remove(hs[1])  # and for the other: the table is complete again
+    assert seg.table.complete
+    assert seg.table.contains(hs[-1]) and seg.table.contains(hs[-2])
+    assert reader.lookup([hs[0]]) == reader.lookup([hs[0]]) and not seg.table.contains(hs[0])
+    answer = reader.lookup([hs[0]])
+    assert answer is not None and answer.final and answer.num_hit_chunks == 0
+
+
+def test_lower_tiers_make_a_miss_not_final(seg: IndexSegment) -> None:
+    reader = _reader(seg)
+    h = random.Random(4).randbytes(32)
+    seg.table.set_lower_tiers(True)
+    answer = reader.lookup([h])
+    assert answer is not None and not answer.final
+    seg.table.insert(h)
+    answer = reader.lookup([h])
+    assert answer is not None and answer.final and answer.num_hit_chunks == 1
+
+
+def test_closed_table_answers_nothing(seg: IndexSegment) -> None:
+    reader = _reader(seg)
+    h = random.Random(5).randbytes(32)
+    seg.table.insert(h)
+    seg.close()
+    assert reader.closed and reader.lookup([h]) is None
+    assert not os.path.exists(f"/dev/shm/{seg.name}")
+
+
+def test_open_checks_nonce_size_and_name(seg: IndexSegment) -> None:
+    assert IndexReader.open(seg.name, seg.size, b"\0" * 16) is None
+    assert IndexReader.open(seg.name, seg.size + 8, seg.nonce) is None
+    assert IndexReader.open("../etc/passwd", seg.size, seg.nonce) is None
+    assert IndexReader.open("lmcache-svc-index-missing", seg.size, seg.nonce) is None
+    segments = [
+        pb.Segment(transport="shm", name="arena", size=1, nonce=b""),
+        pb.Segment(transport=INDEX_TRANSPORT, name=seg.name, size=seg.size, nonce=seg.nonce),
+    ]
+    assert list(open_index_segments(segments)) == ["acme"]
+    with pytest.raises(InvalidArgument):
+        IndexSegment("acme", "cpu", "host_memory", 100)  # not a power of two
+
+
+def test_reader_mapping_is_read_only(seg: IndexSegment) -> None:
+    reader = _reader(seg)
+    with pytest.raises(TypeError):
+        reader._slots[0] = fingerprint(b"x" * 32)  # noqa: SLF001
+
+
+def test_reader_racing_writer_never_reports_an_absent_key() -> None:
+    """A writer churns keys through a small, nearly full table (every removal shifts
+    entries) while readers query keys never inserted (must never hit) and keys present
+    all along (must never miss when the reader answers at all)."""
+    seg = IndexSegment("acme", "cpu", "host_memory", 64)
+    rng = random.Random(11)
+    stable = _hashes(8, rng)
+    churn = _hashes(60, rng)
+    never = _hashes(200, rng)
+    never = [h for h in never if fingerprint(h) not in {fingerprint(x) for x in stable + churn}]
+    for h in stable:
+        seg.table.insert(h)
+    stop = threading.Event()
+    errors: list[str] = []
+    answered = [0]
+
+    def write() -> None:
+        wrng = random.Random(12)
+        held: list[bytes] = []
+        while not stop.is_set():
+            seg.table.beat()
+            if len(held) < 38 and wrng.random() < 0.6:
+                h = wrng.choice(churn)
+                if h not in held and seg.table.insert(h):
+                    held.append(h)
+            elif held:
+                seg.table.remove(held.pop(wrng.randrange(len(held))))
+
+    def read() -> None:
+        reader = _reader(seg)
+        rrng = random.Random(13)
+        for _ in range(4000):
+            h = rrng.choice(never)
+            answer = reader.lookup([h])
+            if answer is not None and answer.num_hit_chunks:
+                errors.append(f"absent key reported: {h.hex()}")
+            answer = reader.lookup(stable)
+            if answer is not None:
+                answered[0] += 1
+                if answer.num_hit_chunks != len(stable):
+                    errors.append(f"present keys missed: {answer}")
+
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads as often as possible
+    try:
+        writer = threading.Thread(target=write)
+        readers = [threading.Thread(target=read) for _ in range(2)]
+        writer.start()
+        for t in readers:
+            t.start()
+        for t in readers:
+            t.join()
+        stop.set()
+        writer.join()
+    finally:
+        sys.setswitchinterval(old)
+        seg.close()
+    assert not errors, errors[:3]
+    assert answered[0] > 1000  # the seqlock rarely gives up
+
+
+def test_a_killed_server_s_table_answers_nothing() -> None:
+    """A server killed by SIGKILL never marks its table closed; its lock goes with it."""
+    seg = IndexSegment("acme", "cpu", "host_memory", 64)
+    reader = _reader(seg)
+    h = random.Random(6).randbytes(32)
+    seg.table.insert(h)
+    seg.table.beat()
+    answer = reader.lookup([h])
+    assert answer is not None and answer.num_hit_chunks == 1
+    # What the kernel does for a killed process: every descriptor closed (the mapping
+    # holds a duplicate of the locked one), nothing marked, nothing unlinked.
+    seg.table.release()
+    seg._buf.release()  # noqa: SLF001
+    seg._mm.close()  # noqa: SLF001
+    os.close(seg._fd)  # noqa: SLF001
+    seg._fd = -1  # noqa: SLF001
+    try:
+        assert reader.lookup([h]) is None
+    finally:
+        os.unlink(f"/dev/shm/{seg.name}")
+
+
+def test_a_hung_server_s_table_answers_nothing_once_stale() -> None:
+    """A stopped server keeps its lock but no longer stamps its table."""
+    seg = IndexSegment("acme", "cpu", "host_memory", 64)
+    try:
+        reader = _reader(seg)
+        h = random.Random(8).randbytes(32)
+        seg.table.insert(h)
+        seg.table.beat()
+        assert reader.lookup([h]) is not None
+        time.sleep(STALE_S + 0.05)
+        assert reader.lookup([h]) is None
+        seg.table.beat()  # the server resumes
+        answer = reader.lookup([h])
+        assert answer is not None and answer.num_hit_chunks == 1
+    finally:
+        seg.close()
