@@ -1,5 +1,6 @@
 """The ``lmcache-svc`` command: ``serve`` runs the server, ``stats`` asks a running one,
-``bench`` runs the benchmarks."""
+``bench`` runs the benchmarks (a distribution of their own, ``benchmarks/``: where it is not
+installed, ``bench`` says how to install it and exits 2)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import sys
 from typing import Any
 
 from lmcache_svc.errors import ConfigError, LMCacheSvcError
+
+BENCH_INSTALL = "pip install ./benchmarks (in a checkout of lmcache-svc; see docs/benchmarks.md)"
 
 # flag -> dotted config key
 _SERVE_FLAGS: dict[str, tuple[str, str]] = {
@@ -55,17 +58,32 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _add_bench(sub: Any) -> None:
-    from lmcache_svc_bench import BENCHMARKS
+def _benchmarks() -> dict[str, tuple[str, str]] | None:
+    """The benchmarks' table (name -> module, description), or None where the benchmarks
+    are not installed (the server image, a client install)."""
+    try:
+        from lmcache_svc_bench import BENCHMARKS
+    except ModuleNotFoundError as e:
+        if e.name != "lmcache_svc_bench":
+            raise
+        return None
+    return BENCHMARKS
 
-    names = "\n".join(f"  {name:<10} {text}" for name, (_, text) in BENCHMARKS.items())
+
+def _add_bench(sub: Any) -> None:
+    benchmarks = _benchmarks()
+    if benchmarks is None:
+        missing = sub.add_parser("bench", help="run benchmarks (not installed here)")
+        missing.add_argument("args", nargs=argparse.REMAINDER)
+        return
+    names = "\n".join(f"  {name:<10} {text}" for name, (_, text) in benchmarks.items())
     bench = sub.add_parser(
         "bench",
         help="run benchmarks (figures next to same-run baselines)",
         description=f"benchmarks:\n{names}\n  all        every one of them, in this order",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    bench.add_argument("names", nargs="+", metavar="NAME", choices=[*BENCHMARKS, "all"])
+    bench.add_argument("names", nargs="+", metavar="NAME", choices=[*benchmarks, "all"])
     bench.add_argument("--quick", action="store_true", help="about two minutes each (smoke)")
     bench.add_argument("--out", default="bench-results", help="directory for JSON, markdown, PNG")
     bench.add_argument("--keep-work", action="store_true", help="keep the scratch directory")
@@ -130,7 +148,10 @@ def _stats(args: argparse.Namespace) -> int:
 def _bench(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from lmcache_svc_bench import BENCHMARKS
+    benchmarks = _benchmarks()
+    if benchmarks is None:
+        print(f"lmcache-svc bench: not installed here: {BENCH_INSTALL}", file=sys.stderr)
+        return 2
     from lmcache_svc_bench.report import targets_at_a_glance
     from lmcache_svc_bench.runner import run_benchmark
 
@@ -143,7 +164,7 @@ def _bench(args: argparse.Namespace) -> int:
         options[key] = value
     if args.minutes is not None:
         options["minutes"] = str(args.minutes)
-    names = list(BENCHMARKS) if "all" in args.names else args.names
+    names = list(benchmarks) if "all" in args.names else args.names
     reports = []
     for name in names:
         report = run_benchmark(
