@@ -4,6 +4,10 @@ Each benchmark is a module here with ``run(ctx: BenchContext) -> Report``; ``run
 creates the context, times the run and writes the report. ``--quick`` shrinks every
 benchmark to about two minutes on a 2-core machine (CI runs it as a smoke test that
 asserts no timing); the default is the full mode whose results go in docs/benchmarks.md.
+
+A distribution of its own (``benchmarks/pyproject.toml``), outside the runtime package: the
+server image and the client wheel do not hold it. The process drivers here (``procs``,
+``redis_procs``, ``vllm.engines``) are shared with the tests.
 """
 
 from __future__ import annotations

@@ -1,7 +1,9 @@
-"""MemOS-compatible named KV memories whose storage is the lmcache-svc service.
+"""The client API of named KV memories, MemOS-compatible (``KVCacheMemory``), whose storage
+is the lmcache-svc service (the server keeps them in ``lmcache_svc.server.memories``).
 
-Needs the ``memory`` extra (transformers, safetensors) and torch; the server never imports
-this package. See docs/memories.md.
+Needs the ``memory`` extra (transformers, safetensors) and torch, unlike the rest of the
+client side (``lmcache_svc.client``); the server never imports this package. See
+docs/memories.md.
 """
 
 from __future__ import annotations

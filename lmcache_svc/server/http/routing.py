@@ -1,6 +1,6 @@
 """What every REST route module shares: the per-app state and the caller as request
 dependencies, JSON bodies parsed off the event loop, the namespace check, and the
-``RouteTable`` each route module fills at import (``http.create_app`` adds the routes)."""
+``RouteTable`` each route module fills at import (``api.create_app`` adds the routes)."""
 
 from __future__ import annotations
 

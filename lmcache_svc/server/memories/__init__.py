@@ -1,4 +1,5 @@
-"""Named KV memories kept by the service: the blob format check (``format``) and the
-tenant-scoped store with its capacity and persistence (``store``). The user-facing API that
-builds and reads these blobs is ``lmcache_svc.kv_memory``; the contract between the two is in
-``docs/memories.md``."""
+"""The server's store of named KV memories: tenant-scoped, capacity-bounded, optionally
+persistent (``store``), over blobs kept in RAM or in a directory (``blobs``). What a blob
+must be is ``lmcache_svc.memory_blob``, which the client side shares; the client API that
+builds and reads these blobs is ``lmcache_svc.kv_memory``; the contract between the two is
+in ``docs/memories.md``."""
