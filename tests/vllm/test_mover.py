@@ -14,8 +14,8 @@ import pytest
 
 pytest.importorskip("torch", reason="the layout code needs torch (the [torch] extra)")
 import torch
-from lmcache_svc_vllm.layout import KVPages
-from lmcache_svc_vllm.mover import ChunkLoad, ChunkSave, PageMover, runs_of
+from lmcache_svc_vllm.layout import KVPages, runs_of
+from lmcache_svc_vllm.mover import ChunkLoad, ChunkSave, PageMover
 from lmcache_svc_vllm.streams import SyncStream, copy_stream_for
 
 from lmcache_svc.client import CacheClient

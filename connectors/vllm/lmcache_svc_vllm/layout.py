@@ -153,21 +153,22 @@ class KVPages:
 
     def copy_chunk_out(self, block_ids: Sequence[int], dst: torch.Tensor) -> None:
         """Gather the pages of a full chunk's blocks into ``dst`` (a chunk tensor)."""
-        for start, block, n in _runs(block_ids):
+        for start, block, n in runs_of(block_ids):
             for layer, out in zip(self.layers, dst):
                 out[start : start + n].copy_(layer[block : block + n])
 
     def copy_chunk_in(self, src: torch.Tensor, first_block: int, block_ids: Sequence[int]) -> None:
         """Scatter blocks ``first_block ..`` of a chunk tensor into the given KV blocks."""
-        for start, block, n in _runs(block_ids):
+        for start, block, n in runs_of(block_ids):
             part = src[:, first_block + start : first_block + start + n]
             for layer, pages in zip(self.layers, part):
                 layer[block : block + n].copy_(pages)
 
 
-def _runs(block_ids: Sequence[int]) -> list[tuple[int, int, int]]:
+def runs_of(block_ids: Sequence[int]) -> list[tuple[int, int, int]]:
     """(position, first block id, length) of each run of consecutive block ids: one
-    contiguous memcpy per run and layer (``index_copy_`` is ~3x slower on the CPU)."""
+    contiguous memcpy per run and layer (``index_copy_`` is ~3x slower on the CPU). The
+    plugin's one run splitter: ``mover.py`` copies by these runs too."""
     runs: list[tuple[int, int, int]] = []
     for pos, block in enumerate(block_ids):
         if runs and runs[-1][1] + runs[-1][2] == block:

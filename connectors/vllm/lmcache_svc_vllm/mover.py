@@ -27,7 +27,7 @@ from typing import Literal
 
 import torch
 
-from lmcache_svc_vllm.layout import KVPages
+from lmcache_svc_vllm.layout import KVPages, runs_of
 from lmcache_svc_vllm.streams import CopyEvent, CopyStream
 
 Gather = Literal["runs", "index"]
@@ -127,18 +127,6 @@ class PageMover:
             offset += n
         kv.index_copy_(0, torch.tensor(ids, dtype=torch.long, device=kv.device), staged)
         return self.stream.record()
-
-
-def runs_of(block_ids: Sequence[int]) -> list[tuple[int, int, int]]:
-    """(position, first block id, length) of each run of consecutive block ids."""
-    runs: list[tuple[int, int, int]] = []
-    for pos, block in enumerate(block_ids):
-        if runs and runs[-1][1] + runs[-1][2] == block:
-            start, first, n = runs[-1]
-            runs[-1] = (start, first, n + 1)
-        else:
-            runs.append((pos, block, 1))
-    return runs
 
 
 def _is_run(block_ids: Sequence[int]) -> bool:
