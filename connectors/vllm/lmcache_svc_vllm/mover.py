@@ -80,7 +80,10 @@ class PageMover:
         self.stream.follow_current()
         todo = range(len(self.pages.layers)) if layers is None else layers
         with self.stream.activate():
-            return LayerEvents([self._save_layer(i, chunks) for i in todo])
+            events = [self._save_layer(i, chunks) for i in todo]
+        # With no layer left (all saved layer by layer), the event still marks the copies
+        # enqueued before: the caller's synchronize() waits for them before committing.
+        return LayerEvents(events or [self.stream.record()])
 
     def _save_layer(self, layer: int, chunks: Sequence[ChunkSave]) -> CopyEvent:
         kv = self.pages.layers[layer]
