@@ -451,8 +451,8 @@ class RedisTier(Tier):
     def _put_slow(self, job: Job) -> Outcome:
         value = bytearray(pack_header(job.key, job.data))
         value += job.data
-        try:
-            self._client.set(job.rkey, value, px=self._ttl_ms)
+        try:  # a memoryview: redis-py takes a bytearray only from 8.0 on
+            self._client.set(job.rkey, memoryview(value), px=self._ttl_ms)
         except OutOfMemoryError as e:
             return ("oom", str(e))
         return OK
