@@ -239,6 +239,8 @@ def test_installed_package_is_the_wheel_not_the_tree(installed: Path) -> None:
     assert done.stdout.strip().startswith(str(installed))
     assert (installed / "bin" / "lmcache-svc").exists()
     assert (installed / "lmcache_svc" / "v1" / "cache_pb2.py").exists()
+    # the benchmarks are a distribution of their own (benchmarks/): not in the server image
+    assert not any("bench" in p.name for p in installed.rglob("*")), "benchmark code shipped"
 
 
 def test_image_command_serves_answers_its_healthcheck_and_stops_on_sigterm(
