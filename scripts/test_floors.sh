@@ -5,7 +5,8 @@
 # lowest-versions resolution), on Python 3.11 (requires-python's floor), and the unit tests
 # run in it. Not run here: vLLM, deploy and GPU tests, the benchmarks' quick modes and the
 # KVCacheMemory API (they need torch, transformers or vLLM, whose versions their own venvs
-# pin), and the generated-code check (grpcio-tools is pinned). The test tools (pytest,
+# pin), the generated-code check (grpcio-tools is pinned) and the skip check's own tests
+# (pytest's, not the dependencies'). The test tools (pytest,
 # httpx, schemathesis, safetensors) are not floors: they install at their newest.
 #
 # Usage: scripts/test_floors.sh [pytest args]     (scripts/test.sh runs it; VENV, PYTHON)
@@ -32,4 +33,5 @@ fi
 exec "$venv/bin/python" -m pytest -q -rs -p tests.skip_check -p no:cacheprovider tests \
   --ignore=tests/vllm --ignore=tests/deploy --ignore=tests/gpu --ignore=tests/bench \
   --ignore=tests/kv_memory --ignore=tests/tiers/test_hbm.py --ignore=tests/test_proto.py \
+  --ignore=tests/test_skip_check.py \
   -k "not hbm" "$@"
