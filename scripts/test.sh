@@ -22,6 +22,6 @@ for arg in "$@"; do
   if [ -e "${arg%%::*}" ]; then paths=$((paths + 1)); fi
 done
 if [ -z "${LMCACHE_SVC_SKIP_FLOORS:-}" ] && [ "$paths" = 0 ]; then
-  scripts/test_floors.sh -p no:cacheprovider || status=$((status ? status : 1))
+  scripts/test_floors.sh || status=$((status ? status : 1))
 fi
 exit "$status"
