@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import ipaddress
 import os
+import tomllib
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
-import tomllib
 import yaml
 from pydantic import (
     BaseModel,

@@ -8,12 +8,12 @@ import re
 import subprocess
 import sys
 import textwrap
+import tomllib
 from collections.abc import Iterator
 from importlib import metadata
 from pathlib import Path
 
 import pytest
-import tomllib
 
 from lmcache_svc_bench.procs import ServerProc, start_server
 
