@@ -171,7 +171,7 @@ class IndexPublisher:
         seg = self._by_namespace.get(key[:NAMESPACE_ID_BYTES])
         if seg is None or self._closed:
             return
-        if readable:  # keyed by namespace and chunk hash (shm_index.key_fingerprint)
+        if readable:  # keyed by namespace and chunk hash (lookup_index.key_fingerprint)
             seg.table.insert(key)
         else:
             seg.table.remove(key)

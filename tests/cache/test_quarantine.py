@@ -40,7 +40,7 @@ def make_cache() -> Iterator:
     made: list[TieredCache] = []
 
     def make(num_chunks: int, **settings: float) -> TieredCache:
-        # tiny arenas: the tenant's share (tests/test_quotas.py) would refuse first
+        # tiny arenas: the tenant's share (tests/cache/test_quotas.py) would refuse first
         settings.setdefault("max_tenant_reserved_fraction", 1.0)
         arena = Arena.create(num_chunks * CHUNK, slab_bytes=CHUNK, prefault="off")
         cache = TieredCache(CpuTier(arena), settings=CacheSettings(**settings))

@@ -84,7 +84,7 @@ def serve(tmp_path: Path) -> Iterator[Callable[..., InProcessServer]]:
         num_chunks: int = 1, memories: MemoryStore | None = None, **settings: Any
     ) -> InProcessServer:
         settings.setdefault("high_watermark", 1.0)  # no background eviction of tiny arenas
-        # and one tenant may reserve all of one (its share is tested in tests/test_quotas.py)
+        # and one tenant may reserve all of one (its share is tested in tests/cache/test_quotas.py)
         settings.setdefault("max_tenant_reserved_fraction", 1.0)
         srv = InProcessServer(tmp_path, num_chunks, CacheSettings(**settings), memories)
         made.append(srv)
