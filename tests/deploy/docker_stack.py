@@ -16,10 +16,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from lmcache_svc.bench.procs import free_port
 from lmcache_svc.client import CacheClient
 from lmcache_svc.errors import LMCacheSvcError
 from lmcache_svc.keys import KVLayout, Namespace, chunk_hashes
+from lmcache_svc_bench.procs import free_port
 from tests.deploy.docker_engine import Engine
 from tests.helpers import make_chunk
 

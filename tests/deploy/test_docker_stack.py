@@ -28,7 +28,7 @@ from typing import Any
 
 import pytest
 
-from lmcache_svc.bench.procs import free_port
+from lmcache_svc_bench.procs import free_port
 from tests.deploy import dashboard as dash
 from tests.deploy import docker_stack as ds
 from tests.deploy.deploy_doc import NOT_RUN, doc_commands, in_docs

@@ -1,4 +1,4 @@
-"""The tiny random-weight Llama (lmcache_svc.bench.vllm.bench_model) with a tokenizer, so
+"""The tiny random-weight Llama (lmcache_svc_bench.vllm.bench_model) with a tokenizer, so
 that vLLM serves it with the compose file's own command (which loads a tokenizer) and
 OpenAI requests may carry text.
 
@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from lmcache_svc.bench.vllm.bench_model import VOCAB_SIZE, make_tiny_model
+from lmcache_svc_bench.vllm.bench_model import VOCAB_SIZE, make_tiny_model
 
 SPECIAL = ["<unk>", "<s>", "</s>"]
 
