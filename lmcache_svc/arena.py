@@ -315,9 +315,13 @@ def _create_segment(name: str, size: int, mode: int) -> tuple[mmap.mmap, int]:
     path = _shm_path(name)
     try:
         st = os.statvfs(SHM_DIR)
-        if size > st.f_bavail * st.f_frsize:
+        free, total = st.f_bavail * st.f_frsize, st.f_blocks * st.f_frsize
+        if size > free:
             raise ConfigError(
-                f"{SHM_DIR} has {st.f_bavail * st.f_frsize} bytes free, {path} needs {size}"
+                f"{path} needs {size >> 20} MiB but {SHM_DIR} has {free >> 20} MiB free "
+                f"(its size: {total >> 20} MiB): lower cpu.capacity or give {SHM_DIR} more "
+                "room (docker run --shm-size, shm_size in compose, the /dev/shm volume's "
+                "sizeLimit in Kubernetes)"
             )
         fd = _open_new(path, mode)
     except FileExistsError:

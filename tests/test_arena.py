@@ -200,6 +200,17 @@ def test_existing_name_is_a_config_error(make_arena: MakeArena) -> None:
     assert os.path.exists(os.path.join(SHM_DIR, arena.name))
 
 
+def test_an_arena_larger_than_dev_shm_names_its_size_and_the_remedy() -> None:
+    st = os.statvfs(SHM_DIR)
+    too_big = (st.f_blocks * st.f_frsize) + (1 << 30)
+    with pytest.raises(ConfigError) as raised:
+        Arena.create(too_big, slab_bytes=SLAB, prefault="off")
+    message = str(raised.value)
+    assert f"its size: {(st.f_blocks * st.f_frsize) >> 20} MiB" in message
+    assert f"needs {too_big >> 20} MiB" in message or f"needs {(too_big >> 20) + 1} MiB" in message
+    assert "--shm-size" in message
+
+
 def test_header_mode_and_prefault(make_arena: MakeArena) -> None:
     for prefault in ("sync", "background"):
         arena = make_arena(prefault=prefault, mode=0o640)
