@@ -1,8 +1,9 @@
 """docker-compose.yml as its services will run: the server's and the engines' invocations.
 
 The compose file is read with PyYAML and compose's variable interpolation (``manifests``);
-an image's ENTRYPOINT, CMD, ENV and baked-in files come from the Dockerfile stage named by
-``build.target``, so a service is checked as the container would really start.
+an image's ENTRYPOINT, CMD, ENV and baked-in files come from the Dockerfile (``build.dockerfile``)
+and stage (``build.target``, else its last) the service builds, so a service is checked as the
+container would really start.
 """
 
 from __future__ import annotations
@@ -153,9 +154,15 @@ class Compose:
                         files[str(PurePosixPath(m.target) / f.relative_to(host).as_posix())] = f
         return files
 
+    def image_stage(self, name: str) -> Any:
+        """The Dockerfile stage service ``name`` builds (None for a pulled image)."""
+        return self._stage(name)
+
     def _stage(self, name: str) -> Any:
         build = self.service(name).get("build")
         if not build:
             return None
-        target = build.get("target") if isinstance(build, dict) else None
-        return self.dockerfile.stage(target) if target else self.dockerfile.default_target()
+        assert isinstance(build, dict) and build.get("context") == ".", f"{name}: {build}"
+        dockerfile = Dockerfile(REPO / build.get("dockerfile", "Dockerfile"))
+        target = build.get("target")
+        return dockerfile.stage(target) if target else dockerfile.default_target()

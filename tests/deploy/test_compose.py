@@ -201,8 +201,7 @@ def test_engines_agree_with_vllm_the_plugin_and_the_server(
 
 def test_engine_images_match_the_dockerfile(compose: Compose) -> None:
     for name in compose.all_engines():
-        target = compose.service(name)["build"]["target"]
-        stage = compose.dockerfile.stage(target)
+        stage = compose.image_stage(name)
         if stage.entrypoint:  # an image with its own entrypoint runs the same program
             assert compose.entrypoint(name) == stage.entrypoint, name
 

@@ -1,0 +1,179 @@
+"""The compose stack as the container tests run it: the project's docker-compose.yml (plus
+compose.tiny-model.yml, which mounts the test's tiny model), the `cpu` profile, a project
+name of its own, free loopback ports, and small sizes. Everything is checked through the
+published loopback ports; ``docker`` is used only to run the stack and read its state.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from lmcache_svc.bench.procs import free_port
+from tests.deploy.docker_engine import Engine
+
+PROJECT = "lmcache-svc-test"
+COMPOSE_FILES = "docker-compose.yml:tests/deploy/compose.tiny-model.yml"
+# Grafana has no Debian package and its image cannot be pulled here: every other service.
+SERVICES = ["lmcache-svc", "vllm-cpu", "redis", "redis-exporter", "prometheus"]
+ENGINE = "vllm-cpu"
+MODEL = "/models/tiny"
+# Small enough for a shared 2-core, 24 GiB machine; SHM_SIZE >= ARENA_SIZE + vLLM's share.
+SIZES = {
+    "ARENA_SIZE": "64MiB",
+    "SHM_SIZE": "1g",
+    "SSD_SIZE": "256MiB",
+    "REDIS_CAPACITY": "256MiB",
+    "REDIS_MAXMEMORY": "320mb",
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+}
+PORTS = {"HTTP_PORT": 8080, "GRPC_PORT": 50051, "ENGINE_PORT": 8000, "PROMETHEUS_PORT": 9090}
+
+
+def http(
+    url: str, body: dict[str, Any] | None = None, timeout_s: float = 30.0, method: str | None = None
+) -> tuple[int, bytes]:
+    data = None if body is None else json.dumps(body).encode()
+    request = urllib.request.Request(
+        url, data=data, method=method, headers={"Content-Type": "application/json"}
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=timeout_s) as response:
+            return response.status, response.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+    except OSError:
+        return 0, b""
+
+
+def metric_sum(text: str, name: str, **labels: str) -> float:
+    """The sum of the samples of ``name`` whose labels include ``labels`` (text format)."""
+    total = 0.0
+    for line in text.splitlines():
+        m = re.match(rf"^{re.escape(name)}(\{{[^}}]*\}})? (\S+)", line)
+        if m and all(f'{k}="{v}"' in (m.group(1) or "") for k, v in labels.items()):
+            total += float(m.group(2))
+    return total
+
+
+@dataclass
+class Stack:
+    engine: Engine
+    compose: str  # "docker compose" (v2) or "docker-compose" (1.29)
+    model_dir: Path
+    ports: dict[str, int] = field(default_factory=dict)
+    hit_checked: bool = False
+
+    def __post_init__(self) -> None:
+        self.ports = {name: free_port() for name in PORTS}
+
+    @property
+    def env(self) -> dict[str, str]:
+        return {
+            "COMPOSE_PROJECT_NAME": PROJECT, "COMPOSE_FILE": COMPOSE_FILES,
+            "TINY_MODEL_DIR": str(self.model_dir), "CPU_MODEL": MODEL,
+            "GRAFANA_PORT": str(free_port()), **SIZES,
+            **{name: str(port) for name, port in self.ports.items()},
+        }  # fmt: skip
+
+    def url(self, port: str) -> str:
+        return f"http://127.0.0.1:{self.ports[port]}"
+
+    def compose_run(self, args: str, timeout_s: float = 600, check: bool = True) -> str:
+        done = self.engine.run(
+            f"{self.compose} {args}", env=self.env, timeout_s=timeout_s, check=check
+        )
+        return done.stdout + done.stderr
+
+    def doc(self, command: str, timeout_s: float = 600) -> str:
+        """Run a command as docs/deploy.md writes it, on this stack: this compose
+        implementation, the test's ports, model and prompt (``localize``)."""
+        self.engine.docs_ran.append(command)
+        done = self.engine.run(localize(command, self), env=self.env, timeout_s=timeout_s)
+        return done.stdout
+
+    def container(self, service: str) -> str:
+        cid = self.engine.run(
+            f"{self.compose} ps -q {service}", env=self.env, quiet=True
+        ).stdout.strip()  # fmt: skip
+        assert cid, f"no container for {service}"
+        return cid
+
+    def inspect(self, service: str) -> dict[str, Any]:
+        data: list[dict[str, Any]] = json.loads(
+            self.engine.docker("inspect", self.container(service))
+        )  # fmt: skip
+        return data[0]
+
+    def logs(self, service: str) -> str:
+        return self.compose_run(f"logs --no-color --tail 60 {service}", check=False)
+
+    def wait_healthy(self, service: str, timeout_s: float = 120) -> None:
+        deadline = time.monotonic() + timeout_s
+        while (health := self.inspect(service)["State"].get("Health", {}).get("Status")) != (
+            "healthy"
+        ):
+            assert time.monotonic() < deadline, f"{service} is {health}:\n{self.logs(service)}"
+            time.sleep(1)
+
+    def wait_http(self, port: str, path: str, timeout_s: float, service: str) -> None:
+        deadline = time.monotonic() + timeout_s
+        while http(self.url(port) + path, timeout_s=5)[0] != 200:
+            state = self.inspect(service)["State"]
+            assert state["Status"] == "running" and time.monotonic() < deadline, (
+                f"{service} never answered {path} ({state['Status']}, "
+                f"restarts: {state.get('RestartCount')}):\n{self.logs(service)}"
+            )
+            time.sleep(1)
+
+    def metrics(self, port: str) -> str:
+        status, body = http(self.url(port) + "/metrics")
+        assert status == 200, (port, status, body[:300])
+        return body.decode()
+
+    def prometheus(self, path: str, **params: str) -> dict[str, Any]:
+        query = f"?{urllib.parse.urlencode(params)}" if params else ""
+        status, body = http(f"{self.url('PROMETHEUS_PORT')}{path}{query}")
+        assert status == 200, (path, status, body[:300])
+        answer: dict[str, Any] = json.loads(body)
+        return answer
+
+    def query(self, promql: str) -> list[float]:
+        """Finite values of ``promql`` now."""
+        answer = self.prometheus("/api/v1/query", query=promql)
+        values = [float(r["value"][1]) for r in answer["data"]["result"]]
+        return [v for v in values if v == v and abs(v) != float("inf")]
+
+    def wait_scraped(self, job: str, after: float, timeout_s: float = 60) -> None:
+        """Until Prometheus scraped ``job`` (up == 1) later than ``after`` (Unix time)."""
+        deadline = time.monotonic() + timeout_s
+        while not self.query(f'timestamp(up{{job="{job}"}} == 1) > {after}'):
+            assert time.monotonic() < deadline, f"Prometheus did not scrape {job} after {after}"
+            time.sleep(1)
+
+
+# Default ports as the docs write them -> the variables the test sets.
+DOC_PORTS = {"8080": "HTTP_PORT", "8000": "ENGINE_PORT", "9090": "PROMETHEUS_PORT"}
+DOC_MODEL = "Qwen/Qwen2.5-0.5B-Instruct"
+DOC_PROMPT = "...a long shared prefix..."
+DOC_PROMPT_WORDS = " ".join(f"w{3 + i}" for i in range(300))  # 2 chunks and a tail
+
+
+def localize(command: str, stack: Stack) -> str:
+    """A docs command on the test's stack: which compose, which services (no Grafana: no
+    image), ports, model and prompt. Nothing else changes."""
+    out = command
+    if stack.compose != "docker compose":
+        out = out.replace("docker compose ", f"{stack.compose} ")
+    if re.search(r" up -d$", out):
+        out += " " + " ".join(SERVICES)
+    for port, name in DOC_PORTS.items():
+        out = out.replace(f"127.0.0.1:{port}", f"127.0.0.1:{stack.ports[name]}")
+    return out.replace(DOC_MODEL, MODEL).replace(DOC_PROMPT, DOC_PROMPT_WORDS)
