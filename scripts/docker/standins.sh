@@ -20,14 +20,18 @@
 # /usr/local/share/ca-certificates, its local apt configuration (apt.conf.d files no package
 # owns, sources, keyrings), /etc/pip.conf, /etc/xdg/pip, and the PIP_* and proxy variables
 # of this environment, read at build time. Stand-ins carry a label with a digest of their
-# recipe and of that configuration: one built from other inputs is rebuilt.
+# recipe (RECIPE, standins.Dockerfile) and of that configuration: one built from other
+# inputs is rebuilt.
 # The debootstrap tree is cached as a tarball in $LMCACHE_SVC_DOCKER_CACHE/standins (default
-# /var/cache/lmcache-svc-docker); without the cache it is made again (about a minute).
+# /var/cache/lmcache-svc-docker); without the cache it is made again (5 minutes here).
 set -euo pipefail
 
 here=$(cd "$(dirname "$0")" && pwd)
 cache_dir=${LMCACHE_SVC_DOCKER_CACHE:-/var/cache/lmcache-svc-docker}/standins
 docker=${DOCKER:-$(command -v /usr/bin/docker || command -v docker)}
+# Change RECIPE when build_base changes what goes into the base: stand-ins built by an
+# older recipe are then rebuilt (a new base invalidates every image's layer cache).
+RECIPE=1
 suite=bookworm
 packages=python3,python3-venv,python-is-python3,ca-certificates
 label=org.lmcache-svc.standin
@@ -61,10 +65,10 @@ host_files() {  # the configuration files copied into the base
     /etc/pip.conf /etc/xdg/pip/* 2>/dev/null || true
 }
 
-config_digest() {
+config_digest() {  # what the images are made of (not this script's wording: see RECIPE)
   {
-    cat "$0" "$here/standins.Dockerfile"
-    echo "$suite $packages $(apt_mirror)"
+    cat "$here/standins.Dockerfile"
+    echo "$RECIPE $suite $packages $(apt_mirror)"
     host_env
     host_files | while read -r f; do echo "$f"; cat "$f"; done
   } | sha256sum | cut -c1-16
@@ -127,8 +131,11 @@ build_target() {  # $1 = name to tag, $2 = stand-in target, $3 = digest, $4 = ba
 digest=$(config_digest)
 base=python:3.11-slim-bookworm
 missing=0
+declare -A seen=()
 ensure() {  # $1 = image
   local image=$1 target started
+  [[ -z ${seen[$image]:-} ]] || return 0
+  seen[$image]=1
   case $image in
     python:3.11-slim-bookworm) target=base ;;
     redis:*) target=redis ;;

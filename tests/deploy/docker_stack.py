@@ -17,7 +17,11 @@ from pathlib import Path
 from typing import Any
 
 from lmcache_svc.bench.procs import free_port
+from lmcache_svc.client import CacheClient
+from lmcache_svc.errors import LMCacheSvcError
+from lmcache_svc.keys import KVLayout, Namespace, chunk_hashes
 from tests.deploy.docker_engine import Engine
+from tests.helpers import make_chunk
 
 PROJECT = "lmcache-svc-test"
 COMPOSE_FILES = "docker-compose.yml:tests/deploy/compose.tiny-model.yml"
@@ -27,9 +31,9 @@ ENGINE = "vllm-cpu"
 MODEL = "/models/tiny"
 # Small enough for a shared 2-core, 24 GiB machine; SHM_SIZE >= ARENA_SIZE + vLLM's share.
 SIZES = {
-    "ARENA_SIZE": "64MiB",
+    "ARENA_SIZE": "16MiB",
     "SHM_SIZE": "1g",
-    "SSD_SIZE": "256MiB",
+    "SSD_SIZE": "8MiB",
     "REDIS_CAPACITY": "256MiB",
     "REDIS_MAXMEMORY": "320mb",
     "VLLM_CPU_KVCACHE_SPACE": "1",
@@ -38,9 +42,13 @@ PORTS = {"HTTP_PORT": 8080, "GRPC_PORT": 50051, "ENGINE_PORT": 8000, "PROMETHEUS
 
 
 def http(
-    url: str, body: dict[str, Any] | None = None, timeout_s: float = 30.0, method: str | None = None
+    url: str,
+    body: dict[str, Any] | None = None,
+    timeout_s: float = 30.0,
+    method: str | None = None,
+    raw: bytes | None = None,
 ) -> tuple[int, bytes]:
-    data = None if body is None else json.dumps(body).encode()
+    data = raw if body is None else json.dumps(body).encode()
     request = urllib.request.Request(
         url, data=data, method=method, headers={"Content-Type": "application/json"}
     )
@@ -177,3 +185,58 @@ def localize(command: str, stack: Stack) -> str:
     for port, name in DOC_PORTS.items():
         out = out.replace(f"127.0.0.1:{port}", f"127.0.0.1:{stack.ports[name]}")
     return out.replace(DOC_MODEL, MODEL).replace(DOC_PROMPT, DOC_PROMPT_WORDS)
+
+
+# -- traffic for the dashboard: what vLLM alone does not cause ------------------------------------
+
+# 512 KiB chunks (test_dashboard.py's): 48 of them overflow the 16 MiB arena into the 8 MiB
+# SSD tier and past it, so the first ones stay only in Redis.
+CACHE_LAYOUT = KVLayout(
+    "uint8", num_layers=1, num_kv_heads=1, head_size=1024, block_size=16, page_layout="test"
+)
+CACHE_NS = Namespace(model="docker-stack", layout=CACHE_LAYOUT, chunk_size=256)
+NUM_CHUNKS = 48
+
+
+def drive_cache(stack: Stack) -> None:
+    """Through the published gRPC and REST ports: evictions, demotions, promotions, reads
+    from every tier, misses, an abandoned reservation that expires, bad requests."""
+    size = CACHE_NS.chunk_bytes
+    hashes = chunk_hashes(CACHE_NS, list(range(NUM_CHUNKS * CACHE_NS.chunk_size)))
+    with CacheClient(f"127.0.0.1:{stack.ports['GRPC_PORT']}", use_shm=False, timeout_s=30) as c:
+        ns_id = c.register_namespace(CACHE_NS)
+        for i in range(0, NUM_CHUNKS, 8):
+            c.put(ns_id, [(h, make_chunk(i + j, size)) for j, h in enumerate(hashes[i : i + 8])])
+        found = c.lookup(ns_id, hashes)
+        assert {"cpu", "ssd", "redis"} <= set(found.tiers), found.tiers
+        for i in (0, 1, NUM_CHUNKS // 2):  # from Redis, from the SSD: promoted into the arena
+            assert c.get(ns_id, [hashes[i]]) == [make_chunk(i, size)]
+        unknown = chunk_hashes(CACHE_NS, [7] * (2 * CACHE_NS.chunk_size))
+        assert c.lookup(ns_id, unknown).num_hit_chunks == 0
+        try:  # reserved, then left: this client cannot map the segment (another "host")
+            c.prepare_store(ns_id, unknown[:1], ttl_s=0.2)
+        except LMCacheSvcError:
+            pass
+    bad = f"{stack.url('HTTP_PORT')}/v1/chunks/{CACHE_NS.namespace_id.hex()}/{hashes[0].hex()}"
+    assert http(bad, method="PUT", raw=b"short")[0] == 400  # size_mismatch
+
+
+def redis_outage(stack: Stack) -> None:
+    """Redis paused while a chunk is written through: tier_unavailable, then recovery."""
+    extra = chunk_hashes(CACHE_NS, [11] * CACHE_NS.chunk_size)
+    stack.compose_run("pause redis")
+    try:
+        with CacheClient(f"127.0.0.1:{stack.ports['GRPC_PORT']}", use_shm=False) as c:
+            chunk = make_chunk(99, CACHE_NS.chunk_bytes)
+            c.put(c.register_namespace(CACHE_NS), [(extra[0], chunk)])
+        wait_metric(stack, 'lmcache_svc_errors_total{kind="tier_unavailable"}', 30)
+    finally:
+        stack.compose_run("unpause redis")
+    wait_metric(stack, 'lmcache_svc_tier_breaker_state{tier="redis"} 0.0', 90)
+
+
+def wait_metric(stack: Stack, sample: str, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while sample not in stack.metrics("HTTP_PORT"):
+        assert time.monotonic() < deadline, f"the server never showed {sample}"
+        time.sleep(0.5)

@@ -331,6 +331,10 @@ def test_prometheus_has_every_target_up(stack: ds.Stack) -> None:
 
 
 def test_every_dashboard_query_returns_data(stack: ds.Stack) -> None:
+    """After the vLLM traffic above, the cache traffic vLLM does not cause (evictions,
+    lower tiers, expiries, errors, a Redis outage), through the published ports."""
+    ds.drive_cache(stack)
+    ds.redis_outage(stack)
     queries = dash.queries(dash.load())
     deadline = time.monotonic() + 60
     while True:
