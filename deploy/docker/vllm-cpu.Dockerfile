@@ -10,8 +10,8 @@
 ARG PYTHON_IMAGE=python:3.11-slim-bookworm
 FROM ${PYTHON_IMAGE}
 # g++: torch's inductor compiles the kernels vLLM wraps in torch.compile even in eager mode
-# (the sampler's logprobs ranks); without a compiler the first request asking for logprobs
-# kills the engine (InvalidCxxCompiler).
+# (the sampler's logprobs ranks) against the base image's Python headers; without a compiler
+# the first request asking for logprobs kills the engine (InvalidCxxCompiler).
 RUN apt-get update \
  && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends \
       libnuma1 libgomp1 g++ \

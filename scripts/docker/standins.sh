@@ -8,7 +8,8 @@
 # is built from Debian bookworm's packages and tagged with IMAGE's own name, and the script
 # says so. The project's files keep the real names; only this engine's tags are stand-ins.
 #   python:3.11-slim-bookworm      debootstrap --variant=minbase + python3, python3-venv,
-#                                  python-is-python3, ca-certificates, imported as an image
+#                                  python-is-python3, ca-certificates, libpython3.11-dev,
+#                                  imported as an image
 #   redis:*                        + redis-server      (scripts/docker/standins.Dockerfile)
 #   oliver006/redis_exporter:*     + prometheus-redis-exporter
 #   prom/prometheus:*              + prometheus
@@ -33,7 +34,8 @@ docker=${DOCKER:-$(command -v /usr/bin/docker || command -v docker)}
 # older recipe are then rebuilt (a new base invalidates every image's layer cache).
 RECIPE=1
 suite=bookworm
-packages=python3,python3-venv,python-is-python3,ca-certificates
+# libpython3.11-dev: Python.h, as the real image has it (torch's inductor compiles against it).
+packages=python3,python3-venv,python-is-python3,ca-certificates,libpython3.11-dev
 label=org.lmcache-svc.standin
 
 say() { echo "standins: $*" >&2; }
@@ -88,6 +90,7 @@ rootfs_tar() {  # debootstrap once per suite/packages/mirror; prints the tarball
     debootstrap --variant=minbase --include="$packages" "$suite" "$tmp/rootfs" "$(apt_mirror)" \
       >"$tmp/debootstrap.log" 2>&1 || { tail -n 20 "$tmp/debootstrap.log" >&2; exit 1; }
     tar -C "$tmp/rootfs" --numeric-owner -cf "$tar.part" .
+    rm -f "$cache_dir/debian-$suite-python-"*.tar  # other recipes' trees
     mv "$tar.part" "$tar"
     rm -rf "$tmp"
   fi

@@ -82,6 +82,11 @@ class Engine:
         done = self.run(["docker", *args], check=check, timeout_s=timeout_s, quiet=True)
         return done.stdout.strip()
 
+    @property
+    def private(self) -> bool:
+        """The project's own engine (scripts/docker/engine.sh), whoever started it."""
+        return self.host == private_host()
+
     def stop(self) -> None:
         if self.started_here:
             done = subprocess.run(
@@ -115,11 +120,13 @@ def why_no_engine() -> str | None:
     return None
 
 
+def private_host() -> str:
+    done = subprocess.run([str(ENGINE_SCRIPT), "host"], capture_output=True, text=True, check=True)
+    return done.stdout.strip().removeprefix("DOCKER_HOST=")
+
+
 def engine(say: Say = say_to_stderr) -> Engine:
-    private = subprocess.run(
-        [str(ENGINE_SCRIPT), "host"], capture_output=True, text=True, check=True
-    ).stdout.strip().removeprefix("DOCKER_HOST=")  # fmt: skip
-    for host in (os.environ.get("DOCKER_HOST"), None, private):
+    for host in (os.environ.get("DOCKER_HOST"), None, private_host()):
         if _answers(host):
             name = host or "the default socket"
             say(f"docker-stage: using the Docker engine that answers at {name}")

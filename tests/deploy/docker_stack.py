@@ -141,6 +141,15 @@ class Stack:
             )
             time.sleep(1)
 
+    def tier(self, name: str) -> dict[str, Any]:
+        """One tier of the sidecar's GET /v1/stats (capacity_bytes, used_bytes, num_chunks)."""
+        status, body = http(self.url("HTTP_PORT") + "/v1/stats")
+        assert status == 200, (status, body[:300])
+        tiers: list[dict[str, Any]] = json.loads(body)["tiers"]
+        found = [t for t in tiers if t["name"] == name]
+        assert found, f"no tier {name} in {tiers}"
+        return found[0]
+
     def metrics(self, port: str) -> str:
         status, body = http(self.url(port) + "/metrics")
         assert status == 200, (port, status, body[:300])
