@@ -149,6 +149,8 @@ def images(docker: Engine, torch_index: str, say: Any) -> dict[str, str]:
         say(f"docker-stage: {line}")
     server = in_docs("docker build -t lmcache-svc:0.1.0 .")
     docker.run(server, env={"DOCKER_BUILDKIT": "0"}, label="server (classic builder)")
+    # A tag of its own keeps the classic build (and so its layer cache) past the prune below.
+    docker.docker("tag", SERVER_IMAGE, "lmcache-svc:classic-builder")
     docker.run(server, label="server (BuildKit)")
     docker.docs_ran.append(server)
     cpu = in_docs(
