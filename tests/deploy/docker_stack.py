@@ -171,7 +171,11 @@ class Stack:
     def wait_scraped(self, job: str, after: float, timeout_s: float = 60) -> None:
         """Until Prometheus scraped ``job`` (up == 1) later than ``after`` (Unix time)."""
         deadline = time.monotonic() + timeout_s
-        while not self.query(f'timestamp(up{{job="{job}"}} == 1) > {after}'):
+        # timestamp() of a selector, not of an expression (that is the evaluation time)
+        while not (
+            self.query(f'timestamp(up{{job="{job}"}}) > {after}')
+            and self.query(f'up{{job="{job}"}} == 1')
+        ):
             assert time.monotonic() < deadline, f"Prometheus did not scrape {job} after {after}"
             time.sleep(1)
 
