@@ -109,7 +109,7 @@ class Stack:
 
     def container(self, service: str) -> str:
         cid = self.engine.run(
-            f"{self.compose} ps -q {service}", env=self.env, quiet=True
+            f"{self.compose} ps -a -q {service}", env=self.env, quiet=True
         ).stdout.strip()  # fmt: skip
         assert cid, f"no container for {service}"
         return cid

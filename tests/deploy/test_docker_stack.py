@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import http.server
 import json
-import re
 import shutil
 import subprocess
 import threading
@@ -32,13 +31,13 @@ import pytest
 from lmcache_svc.bench.procs import free_port
 from tests.deploy import dashboard as dash
 from tests.deploy import docker_stack as ds
+from tests.deploy.deploy_doc import NOT_RUN, doc_commands, in_docs
 from tests.deploy.docker_engine import STANDINS_SCRIPT, Engine, engine, why_no_engine
 from tests.deploy.manifests import REPO
 from tests.deploy.tiny_model import make_model, text_of
 
 pytestmark = pytest.mark.timeout(3600)  # the first test builds the images (minutes, cold)
 
-DEPLOY_DOC = REPO / "docs" / "deploy.md"
 WHEEL_CACHE = Path("/var/cache/lmcache-svc-docker/wheels")
 BASE_IMAGES = [
     "python:3.11-slim-bookworm", "redis:7.2-alpine", "oliver006/redis_exporter:v1.62.0",
@@ -53,38 +52,6 @@ CHUNK_TOKENS = 128  # the plugin's default chunk on the CPU backend
 CHUNK_BYTES = CHUNK_TOKENS * 4 * 2 * 2 * 64 * 2  # tiny model: 4 layers, K+V, 2 heads x 64, bf16
 RATE_WINDOW = "15m"  # longer than the whole stage: every rate sees its traffic
 VLLM_START_S = 420.0
-
-# docs/deploy.md commands this module does not run, and why.
-NOT_RUN = {
-    "docker build -f deploy/docker/vllm-cpu.Dockerfile -t lmcache-svc-vllm-cpu:0.1.0 .": (
-        "PyTorch's CPU index is unreachable here: the local-index form of it runs instead"
-    ),
-    "docker build -f deploy/docker/vllm.Dockerfile -t lmcache-svc-vllm:0.1.0 .": (
-        "vLLM's CUDA image cannot be pulled here (no registry) and there is no GPU"
-    ),
-    "docker compose --profile gpu up -d": "no GPU and no CUDA image here",
-    "kubectl create namespace lmcache": "no Kubernetes cluster here (tests/deploy/test_k8s.py)",
-    "kubectl -n lmcache create secret generic lmcache-svc-auth --from-literal=token=$(openssl "
-    "rand -hex 32)": "no Kubernetes cluster here",
-    "kubectl apply -k deploy/k8s/daemonset": "no Kubernetes cluster here",
-}
-
-
-def doc_commands() -> list[str]:
-    """Every command of docs/deploy.md's bash blocks (continuations joined, comments cut)."""
-    commands = []
-    for block in re.findall(r"```bash\n(.*?)```", DEPLOY_DOC.read_text(), re.DOTALL):
-        text = re.sub(r"\\\n\s*", "", block)
-        for line in text.splitlines():
-            line = re.sub(r"\s+#\s.*$", "", line).strip()
-            if line and not line.startswith("#"):
-                commands.append(line)
-    return commands
-
-
-def in_docs(command: str) -> str:
-    assert command in doc_commands(), f"docs/deploy.md has no command {command!r}"
-    return command
 
 
 @pytest.fixture(scope="module")
@@ -407,4 +374,8 @@ def test_every_docs_command_is_run_or_listed_with_a_reason(stack: ds.Stack) -> N
     ran = set(stack.engine.docs_ran) | set(NOT_RUN)
     missing = [c for c in doc_commands() if c not in ran]
     assert not missing, f"docs/deploy.md commands no test runs: {missing}"
+
+
+def test_commands_not_run_are_in_the_docs() -> None:
+    """No engine needed: each NOT_RUN entry is a command docs/deploy.md still has."""
     assert set(NOT_RUN) <= set(doc_commands()), set(NOT_RUN) - set(doc_commands())
