@@ -44,6 +44,8 @@ BASE_IMAGES = [
     "prom/prometheus:v2.53.2",
 ]  # fmt: skip
 SERVER_IMAGE = "lmcache-svc:0.1.0"
+BUILT_IMAGES = (SERVER_IMAGE, "lmcache-svc-vllm-cpu:0.1.0")
+CLASSIC_TAG = "lmcache-svc:classic-builder"
 TORCH = "torch==2.13.0+cpu"
 LOCAL_INDEX_PORT = 8765
 LOCAL_INDEX = f"http://127.0.0.1:{LOCAL_INDEX_PORT}"  # as docs/deploy.md writes it
@@ -111,13 +113,14 @@ def torch_index(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 def images(docker: Engine, torch_index: str, say: Any) -> dict[str, str]:
     """Stand-in bases where needed, then the server image (BuildKit and the classic
     builder) and the CPU vLLM image, with the docs' commands; image sizes by name."""
+    before = {image: image_id(docker, image) for image in (*BUILT_IMAGES, CLASSIC_TAG)}
     done = docker.run([str(STANDINS_SCRIPT), *BASE_IMAGES], label="stand-ins", timeout_s=1800)
     for line in done.stderr.splitlines():
         say(f"docker-stage: {line}")
     server = in_docs("docker build -t lmcache-svc:0.1.0 .")
     docker.run(server, env={"DOCKER_BUILDKIT": "0"}, label="server (classic builder)")
     # A tag of its own keeps the classic build (and so its layer cache) past the prune below.
-    docker.docker("tag", SERVER_IMAGE, "lmcache-svc:classic-builder")
+    docker.docker("tag", SERVER_IMAGE, CLASSIC_TAG)
     docker.run(server, label="server (BuildKit)")
     docker.docs_ran.append(server)
     cpu = in_docs(
@@ -127,10 +130,11 @@ def images(docker: Engine, torch_index: str, say: Any) -> dict[str, str]:
     say(f"docker-stage: torch from a local index at {torch_index} (PyTorch's is unreachable)")
     docker.run(cpu.replace(LOCAL_INDEX, torch_index), label="vllm-cpu", timeout_s=1800)
     docker.docs_ran.append(cpu)
-    if docker.private:  # earlier builds of these tags, now untagged (gigabytes each)
-        docker.docker("image", "prune", "-f")
+    for image, old_id in before.items():  # earlier builds of these tags (gigabytes each)
+        if old_id and old_id != image_id(docker, image):
+            docker.docker("rmi", old_id, check=False)
     sizes = {}
-    for image in (SERVER_IMAGE, "lmcache-svc-vllm-cpu:0.1.0", *BASE_IMAGES):
+    for image in (*BUILT_IMAGES, *BASE_IMAGES):
         size = int(docker.docker("image", "inspect", "-f", "{{.Size}}", image))
         sizes[image] = f"{size / 1e6:.0f} MB"
     say(f"docker-stage: build times (s): { {k: round(v) for k, v in docker.timings.items()} }")
@@ -139,6 +143,10 @@ def images(docker: Engine, torch_index: str, say: Any) -> dict[str, str]:
 
 
 # -- the server image alone (docker run) ------------------------------------------------------
+
+
+def image_id(docker: Engine, image: str) -> str:
+    return docker.docker("image", "inspect", "-f", "{{.Id}}", image, check=False)
 
 
 def test_docker_run_without_shm_size_says_so(docker: Engine, images: dict[str, str]) -> None:
