@@ -198,10 +198,10 @@ class RecordingStream:
             self._check_done(acquired.buffers, "reads", "a lease was released before its")
             release(acquired)
 
-        def checked_publish(reservation: Any, *, abort: bool = False) -> int:
+        def checked_publish(reservation: Any, *, abort: bool = False, **kw: Any) -> int:
             what = "given back" if abort else "committed"
             self._check_done(reservation.buffers, "writes", f"slots were {what} before their")
-            return int(publish(reservation, abort=abort))
+            return int(publish(reservation, abort=abort, **kw))
 
         link.release, link.publish = checked_release, checked_publish
 
