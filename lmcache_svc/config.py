@@ -33,7 +33,12 @@ from lmcache_svc.server.events.settings import EventsSettings
 ENV_PREFIX = "LMCACHE_SVC_"
 _YAML_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 """libyaml's safe loader when PyYAML has it (4x faster: a 5,000-entry tokens file reads in
-0.7 s instead of 3; it refuses nesting past 1,000 levels), else the pure-Python one."""
+0.7 s instead of 3), else the pure-Python one."""
+MAX_YAML_NESTING = 64
+"""Deepest nesting of lists and mappings a YAML file may have. Checked on libyaml's event
+stream (iterative) before loading: PyYAML up to 6.0.3 bundles libyaml 0.2.5, whose loader
+recurses in C once per level and crashes the process (SIGSEGV) on a file nested some
+10,000 deep; the check costs about a quarter of a load."""
 
 
 class _Section(BaseModel):
@@ -378,7 +383,11 @@ def read_config_file(path: str | os.PathLike[str]) -> dict[str, Any]:
         raise ConfigError(f"config file {p} is not UTF-8 text ({e})") from None
     kind = p.suffix.lstrip(".") or "YAML"
     try:
-        data = tomllib.loads(text) if p.suffix == ".toml" else yaml.load(text, Loader=_YAML_LOADER)
+        if p.suffix == ".toml":
+            data = tomllib.loads(text)
+        else:
+            _check_yaml_nesting(p, text)
+            data = yaml.load(text, Loader=_YAML_LOADER)
     except (tomllib.TOMLDecodeError, yaml.YAMLError) as e:
         raise ConfigError(f"config file {p} is not valid {kind}: {e}") from None
     except RecursionError:
@@ -388,6 +397,20 @@ def read_config_file(path: str | os.PathLike[str]) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise ConfigError(f"config file {p} must hold a mapping at the top level")
     return data
+
+
+def _check_yaml_nesting(p: Path, text: str) -> None:
+    depth = 0
+    for event in yaml.parse(text, Loader=_YAML_LOADER):
+        if isinstance(event, (yaml.SequenceStartEvent, yaml.MappingStartEvent)):
+            depth += 1
+            if depth > MAX_YAML_NESTING:
+                raise ConfigError(
+                    f"config file {p} is nested too deeply to be read (more than "
+                    f"{MAX_YAML_NESTING} levels of lists and mappings)"
+                )
+        elif isinstance(event, (yaml.SequenceEndEvent, yaml.MappingEndEvent)):
+            depth -= 1
 
 
 def _env_overrides(env: Mapping[str, str]) -> dict[str, Any]:

@@ -121,3 +121,23 @@ def test_tier_policies_come_from_their_sections() -> None:
     )
     assert TierPolicy.from_config(cfg.ssd) == TierPolicy(accept_demotions=True, write_through=True)
     assert TierPolicy.from_config(cfg.hbm) == TierPolicy(accept_demotions=False)
+
+
+@pytest.mark.parametrize("levels", [65, 50_000])
+def test_deeply_nested_yaml_is_refused_not_a_crash(tmp_path: Path, levels: int) -> None:
+    # 50,000 levels crashed the process (SIGSEGV in libyaml 0.2.5's C loader, which PyYAML
+    # up to 6.0.3 bundles); 65 is past MAX_YAML_NESTING on every PyYAML.
+    path = tmp_path / "deep.yaml"
+    path.write_text("cpu: " + "[" * levels + "]" * levels)
+    with pytest.raises(ConfigError, match="deep.yaml") as e:
+        load_config(path=path)
+    if levels == 65:
+        assert "nested too deeply" in str(e.value) and "64 levels" in str(e.value)
+
+
+def test_nesting_at_the_limit_is_read(tmp_path: Path) -> None:
+    path = tmp_path / "ok.yaml"
+    path.write_text("cpu: {}\nx: " + "[" * 63 + "]" * 63)
+    with pytest.raises(ConfigError) as e:  # read, then refused for the unknown key x
+        load_config(path=path)
+    assert "nested" not in str(e.value)
