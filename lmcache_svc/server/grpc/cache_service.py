@@ -12,6 +12,7 @@ kind in trailing metadata (``grpc/calls.py``); inline transfers (Put/Get) live i
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -143,7 +144,13 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
             # The client went away, the server stops or the token was revoked: reclaim
             # what the session held.
             self.open_sessions.remove(token_id, session_id)
-            await self._slots(self._cache.close_session, session_id, arena_only=True)
+            # Shielded: when the server stops, gRPC cancels this stream again while the
+            # slots are being given back; the cleanup still runs to its end in its own task.
+            cleanup = asyncio.ensure_future(
+                self._slots(self._cache.close_session, session_id, arena_only=True)
+            )
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.shield(cleanup)
 
     @unary_rpc
     async def Lookup(
