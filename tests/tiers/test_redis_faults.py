@@ -116,9 +116,9 @@ def test_a_hung_redis_is_marked_down_and_arena_work_never_waits(
             h = hashes_for(10_000_000 + i * 256, 1)
             assert arena.store(ns_id, h, [make_chunk(i, CHUNK)]) == 1
 
-        def load_warm(i: int) -> None:
+        def load_warm(i: int) -> None:  # loads keep the warm chunks in the arena's LRU front
             assert arena.lookup(ns_id, warm).num_hit_chunks == 8
-            assert arena.load(ns_id, warm[:4]) == [make_chunk(j, CHUNK) for j in range(4)]
+            assert arena.load(ns_id, warm) == [make_chunk(j, CHUNK) for j in range(8)]
 
         for seed in range(6):
             traffic.run(f"loader{seed}", loader(seed))
@@ -141,7 +141,7 @@ def test_a_hung_redis_is_marked_down_and_arena_work_never_waits(
         for name in ("store", "load"):  # arena-only work, from the moment Redis hung
             done = traffic.since(name, hung_at)
             assert len(done) >= 5, f"{name}: only {len(done)} calls while Redis hung"
-            assert all(not err for _, _, err in done), done
+            assert all(not err for _, _, err in done), [e for e in done if e[2]]
             slowest = max(d for _, d, _ in done)
             assert slowest < BOUND_S, f"{name} waited {slowest:.1f} s behind the hung Redis"
         # Lookups and loads of misses: quick once the tier is marked down.
