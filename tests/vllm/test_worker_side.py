@@ -181,3 +181,48 @@ def test_a_dead_server_fails_loads_and_skips_saves(tmp_path: object) -> None:
     data = worker.stats.take()
     assert data is not None and data["save_skipped_chunks"] == 1 and data["save_chunks"] == 0
     worker.shutdown()
+
+
+def test_a_failing_async_load_still_finishes_the_request(
+    server: ServerProc, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # An exception on the loader thread used to vanish into an unread future: the request
+    # was never reported finished and vLLM waited for it forever.
+    dst, _ = make_worker(server.socket, True, seed=8)
+
+    def broken_acquire(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("acquire broke")
+
+    monkeypatch.setattr(dst.link, "acquire", broken_acquire)
+    dst.start_load(StepPlan(loads=[LoadPlan("r3", (HASHES[:1],), 0, (1, 2), is_async=True)]))
+    deadline = time.monotonic() + 5
+    finished: set[str] = set()
+    while not finished:
+        assert time.monotonic() < deadline, "the failed async load was never reported"
+        finished = dst.take_finished()
+        time.sleep(0.005)
+    assert finished == {"r3"} and dst.take_load_errors() == {1, 2}  # recomputed
+    assert "loading request r3 failed" in caplog.text and "acquire broke" in caplog.text
+    dst.shutdown()
+
+
+def test_failures_on_the_io_thread_are_logged_and_reach_nothing_in_vllm(
+    server: ServerProc, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    clear_server(server)
+    worker, _ = make_worker(server.socket, True, seed=9)
+
+    def broken(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("the link broke")
+
+    save = StepPlan(saves=[SavePlan("r4", (HASHES[:1],), (5, 6))])
+    monkeypatch.setattr(worker.link, "publish", broken)
+    worker.bind(save)
+    worker.wait_for_save(save)  # the commit fails on the I/O thread
+    monkeypatch.setattr(worker.link, "reserve", broken)
+    worker.bind(save)
+    worker.wait_for_save(save)  # the reservation fails: skipped, not raised
+    worker.shutdown()  # waits for the I/O thread
+    assert "_publish failed on the I/O thread" in caplog.text
+    assert "reserving store slots failed" in caplog.text
+    assert caplog.text.count("the link broke") >= 2

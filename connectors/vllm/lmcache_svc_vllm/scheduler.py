@@ -234,7 +234,8 @@ class SchedulerSide:
         if block_ids is None or len(block_ids) < num_full * bpc:
             return None
         state.num_saved_chunks = num_full
-        tokens, parents = b"", ()
+        tokens: bytes = b""
+        parents: tuple[bytes, ...] = ()
         if self.link.events_source() is not None:  # the server announces them: describe
             tokens, parents = describe_save(
                 state.token_ids, state.hashes, start, num_full, self.chunk_size

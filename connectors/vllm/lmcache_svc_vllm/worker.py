@@ -25,7 +25,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
@@ -113,7 +113,7 @@ class WorkerSide:
         self._layerwise = is_cuda if self._layerwise_choice is None else self._layerwise_choice
         if is_cuda:
             self._pinner = HostPinner(*cuda_host_registrar())
-        self._io.submit(self.link.warm_up)
+        self._in_background(self.link.warm_up)
         logger.info(
             "lmcache-svc: %d layers, %d-byte pages, %d-byte chunks (%s)",
             pages.geometry.num_layers,
@@ -178,9 +178,7 @@ class WorkerSide:
         ok = self._copy_out(reservation)
         self.stats.time("save_seconds", time.perf_counter() - start)
         described = describe_saves(plan.saves, self.tp_rank, self.namespace.chunk_size)
-        self._io.submit(
-            self.stats.cpu_timed, self._publish, reservation, num_planned, ok, described
-        )
+        self._in_background(self._publish, reservation, num_planned, ok, described)
 
     def _publish(
         self, reservation: Reservation, num_planned: int, ok: bool, described: Any = None
@@ -202,13 +200,16 @@ class WorkerSide:
             logger.warning("lmcache-svc: store reservation took over %.1f s; skipped", timeout_s)
             future.add_done_callback(self._abort_late)
             return None
+        except Exception:  # never into vLLM: the step's saves are skipped
+            logger.exception("lmcache-svc: reserving store slots failed; saves skipped")
+            return None
 
     def _abort_late(self, future: Future[Reservation | None]) -> None:
         if future.cancelled() or future.exception() is not None:
             return
         reservation = future.result()
         if reservation is not None:
-            self._io.submit(self.stats.cpu_timed, self.link.publish, reservation, abort=True)
+            self._in_background(self.link.publish, reservation, abort=True)
 
     def take_finished(self) -> set[str]:
         with self._lock:
@@ -230,10 +231,29 @@ class WorkerSide:
     # -- loads ---------------------------------------------------------------------------
 
     def _run_async_load(self, plan: LoadPlan) -> None:
-        failed = self._load(plan, step=False)
-        with self._lock:
-            self._load_errors.update(failed)
-            self._finished_loads.add(plan.req_id)
+        """On the loader thread. Whatever happens, the request is reported finished (vLLM
+        waits for it), with the blocks that were not loaded as errors (they are recomputed)."""
+        failed: Sequence[int] = plan.block_ids
+        try:
+            failed = self._load(plan, step=False)
+        except Exception:
+            logger.exception("lmcache-svc: loading request %s failed; recomputing", plan.req_id)
+        finally:
+            with self._lock:
+                self._load_errors.update(failed)
+                self._finished_loads.add(plan.req_id)
+
+    def _in_background(self, fn: Callable[..., object], /, *args: Any, **kwargs: Any) -> None:
+        """Run ``fn`` on the I/O thread, nobody waiting for it: an exception is logged there
+        (a submitted call's exception would otherwise be kept in a future no one reads)."""
+
+        def run() -> None:
+            try:
+                self.stats.cpu_timed(fn, *args, **kwargs)
+            except Exception:
+                logger.exception("lmcache-svc: %s failed on the I/O thread", _name(fn))
+
+        self._io.submit(run)
 
     def _record_failures(self, failed: Sequence[int]) -> None:
         if failed:
@@ -269,7 +289,7 @@ class WorkerSide:
         except Exception:  # never into vLLM: the blocks are recomputed instead
             logger.exception("lmcache-svc: copying loaded chunks failed")
         finally:  # once the bytes are copied, off the step
-            self._io.submit(self.stats.cpu_timed, self._release_after, events, acquired)
+            self._in_background(self._release_after, events, acquired)
         num_chunks = min(len(acquired.buffers), len(plan.hashes_for(self.tp_rank)))
         self.stats.time("load_seconds", time.perf_counter() - start)
         self.stats.add(
@@ -348,3 +368,7 @@ class WorkerSide:
 
 def _unique(hashes: Any) -> list[bytes]:
     return list(dict.fromkeys(hashes))
+
+
+def _name(fn: Callable[..., object]) -> str:
+    return getattr(fn, "__qualname__", None) or repr(fn)
