@@ -212,3 +212,20 @@ def _empty_step() -> SimpleNamespace:
         scheduled_cached_reqs=SimpleNamespace(req_ids=[], num_computed_tokens=[]),
         kv_connector_block_state=None,
     )
+
+
+def test_a_lookup_that_raises_is_a_miss_not_an_exception_in_vllm(
+    server: ServerProc, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    scheduler, stats = make_scheduler(server.socket)
+    prompt = tokens(40, 2 * CHUNK + 10)
+    store_prefix(server, prompt, 2)
+
+    def broken(*args: object) -> None:
+        raise RuntimeError("lookup broke")
+
+    monkeypatch.setattr(scheduler.link, "lookup", broken)
+    assert answer(scheduler, request("broken", prompt)) == (0, False)
+    data = stats.take()
+    assert data is not None and data["lookup_failures"] == 1
+    assert "a lookup failed" in caplog.text and "lookup broke" in caplog.text

@@ -147,6 +147,11 @@ class SchedulerSide:
             state.pending = None  # a stuck lookup thread: give up, a miss
             self.stats.add(lookup_failures=1)
             return True
+        except Exception:  # never into vLLM's scheduler: a miss
+            logger.exception("lmcache-svc: a lookup failed; its request is a miss")
+            state.pending = None
+            self.stats.add(lookup_failures=1)
+            return True
         state.pending = None
         self._apply(state, answer)
         return True
