@@ -10,7 +10,7 @@ is in flight after the backoff; every other call is still skipped).
   (``probe_due()`` says it is time, ``allow_probe()`` lets exactly one through).
 - A failed call (``failure()``) trips a closed breaker, and re-opens a half-open one with
   the backoff doubled, up to ``max_backoff_s``. A successful call (``success()``) closes it
-  and resets the backoff to ``base_backoff_s``.
+  and resets the backoff to ``base_backoff_s``. The waits are a ``backoff.Backoff``.
 - A hung backend raises nothing until its socket timeout: so a call that has been in flight
   (``track()``) for longer than ``slow_call_s`` trips the breaker as soon as any other call
   asks ``allow()``. The slow call itself keeps waiting for its own result; only the others
@@ -27,6 +27,8 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Literal
+
+from lmcache_svc.backoff import Backoff
 
 BreakerState = Literal["closed", "open", "half_open"]
 STATE_CODES: dict[BreakerState, int] = {"closed": 0, "open": 1, "half_open": 2}
@@ -49,15 +51,12 @@ class CircuitBreaker:
             )
         if slow_call_s <= 0:
             raise ValueError(f"slow_call_s must be positive, got {slow_call_s}")
-        self._base = base_backoff_s
-        self._max = max_backoff_s
         self._slow = slow_call_s
         self._clock = clock
         self._on_trip = on_trip
         self._lock = threading.Lock()
         self._state: BreakerState = "closed"
-        self._backoff = base_backoff_s
-        self._retry_at = 0.0
+        self._backoff = Backoff(base_backoff_s, max_backoff_s, clock=clock)
         self._failed_since_trip = False
         self._in_flight: dict[int, float] = {}
         self._ids = itertools.count()
@@ -71,7 +70,7 @@ class CircuitBreaker:
     @property
     def backoff_s(self) -> float:
         with self._lock:
-            return self._backoff
+            return self._backoff.delay_s
 
     def may_allow(self) -> bool:
         """Whether ``allow()`` could let a caller's call through now: closed (changes
@@ -82,7 +81,7 @@ class CircuitBreaker:
     def probe_due(self) -> bool:
         """Whether the backoff is over and no probe is in flight: time for ``allow_probe``."""
         with self._lock:
-            return self._state == "open" and self._clock() >= self._retry_at
+            return self._state == "open" and not self._backoff.waiting()
 
     def allow(self) -> bool:
         """Whether a caller's call may go to the tier now: only while closed (never a probe)."""
@@ -91,14 +90,14 @@ class CircuitBreaker:
                 return False
             now = self._clock()
             if self._in_flight and now - min(self._in_flight.values()) > self._slow:
-                self._trip(now)
+                self._trip()
                 return False
             return True
 
     def allow_probe(self) -> bool:
         """The probe's call, once the backoff is over (half-open until it answers)."""
         with self._lock:
-            if self._state == "open" and self._clock() >= self._retry_at:
+            if self._state == "open" and not self._backoff.waiting():
                 self._state = "half_open"
                 return True
             return False
@@ -121,27 +120,25 @@ class CircuitBreaker:
         with self._lock:
             recovered = self._state != "closed" and self._failed_since_trip
             self._state = "closed"
-            self._backoff = self._base
+            self._backoff.succeeded()
             self._failed_since_trip = False
             return recovered
 
     def failure(self) -> None:
         """The tier failed (error or timeout)."""
         with self._lock:
-            now = self._clock()
             if self._state == "closed":
-                self._trip(now)
+                self._trip()
             elif self._state == "half_open":
-                self._backoff = min(self._backoff * 2, self._max)
                 self._state = "open"
-                self._retry_at = now + self._backoff
+                self._backoff.failed()  # the second failure on: doubled
             else:  # already open (tripped by a slow call): wait a full backoff from now
-                self._retry_at = max(self._retry_at, now + self._backoff)
+                self._backoff.postpone()
             self._failed_since_trip = True
 
-    def _trip(self, now: float) -> None:
+    def _trip(self) -> None:
         self._state = "open"
-        self._retry_at = now + self._backoff
+        self._backoff.failed()  # closed until now: the first failure, ``base_backoff_s``
         self.trips += 1
         if self._on_trip is not None:
             self._on_trip()

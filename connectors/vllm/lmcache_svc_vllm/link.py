@@ -3,9 +3,9 @@
 Every call goes through ``ServerLink._guarded``: a failed or slow call is logged once per
 outage and answered with ``None`` (a miss, "nothing stored"), and after a failure the server
 is not asked at all for ``retry_interval_s``, doubling while it stays down (up to
-``MAX_RETRY_INTERVAL_S``) -- so a dead or hung server costs vLLM one timeout now and then,
-not one per request. The client underneath reconnects by itself and re-registers
-the namespace after a server restart.
+``MAX_RETRY_INTERVAL_S``, or ``retry_interval_s`` if larger; a ``backoff.Backoff``) -- so a
+dead or hung server costs vLLM one timeout now and then, not one per request. The client
+underneath reconnects by itself and re-registers the namespace after a server restart.
 
 Bulk bytes take the shared segment when the server's segment is mapped here; otherwise
 (another host, or ``use_shm: false``) they are streamed inline. ``reserve``/``publish``
@@ -21,6 +21,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
 
+from lmcache_svc.backoff import Backoff
 from lmcache_svc.client import CacheClient, LoadLease, LookupResult
 from lmcache_svc.client.events import ChunkTokens, EventsSource
 from lmcache_svc.client.store_pool import PooledSlot, StorePool
@@ -67,8 +68,8 @@ class ServerLink:
             local_lookup=config.local_lookup,
         )
         self._namespace_id: NamespaceId | None = None
-        self._down_until = 0.0
-        self._retry_interval_s = config.retry_interval_s
+        base_s = config.retry_interval_s
+        self._backoff = Backoff(base_s, max(base_s, MAX_RETRY_INTERVAL_S))
         self._outage_logged = False
         self._shm_mapped = False  # the segment was mapped here once: same host, use it
         self._warned: dict[str, float] = {}
@@ -82,7 +83,7 @@ class ServerLink:
     ) -> T | None:
         """``proves_up=False``: a call that can succeed without reaching the server (it
         neither ends an outage nor resets the back-off)."""
-        if time.monotonic() < self._down_until:
+        if self._backoff.waiting():
             return None
         try:
             result = call(self._ensure_registered())
@@ -101,7 +102,7 @@ class ServerLink:
         if self._outage_logged:
             logger.info("lmcache-svc server is reachable again (%s)", what)
             self._outage_logged = False
-        self._retry_interval_s = self.config.retry_interval_s
+        self._backoff.succeeded()
         return result
 
     def _warn(self, what: str, error: Exception) -> None:
@@ -119,21 +120,20 @@ class ServerLink:
             return self._namespace_id
 
     def _mark_down(self, what: str, error: Exception) -> None:
-        self._down_until = time.monotonic() + self._retry_interval_s
+        wait_s = self._backoff.failed()
         if not self._outage_logged:
             logger.warning(
                 "lmcache-svc server unavailable during %s (%s); serving without it, "
                 "next try in %.1f s",
                 what,
                 error,
-                self._retry_interval_s,
+                wait_s,
             )
             self._outage_logged = True
-        self._retry_interval_s = min(2 * self._retry_interval_s, MAX_RETRY_INTERVAL_S)
 
     @property
     def is_down(self) -> bool:
-        return time.monotonic() < self._down_until
+        return self._backoff.waiting()
 
     def connect(self) -> None:
         """Register the namespace now (at start-up), so the first lookup is one call; with
