@@ -3,13 +3,27 @@
 The cache tells the publisher each time a first-tier chunk becomes readable (commit,
 promotion) or stops being readable (eviction, delete, a failed checksum), under the cache's
 lock; the publisher writes the fingerprint into (or out of) the table of the chunk's tenant
-(``shm.lookup_index.IndexTable``). A session's first event lists the tables its caller may read
-(``segments_for``): its own tenant's, or every tenant's for an admin token or when
-authentication is off, the same tenants whose ``Lookup`` it may call.
+(``shm.lookup_index.IndexTable``).
+
+One writer: the publisher owns its tables, and every write to one (a chunk in or out, a
+flag, the heartbeat stamp, the header of a new table, the closed mark) is made under the
+publisher's lock, whichever thread makes it: a caller of ``changed`` (which holds the cache's
+lock), the heartbeat thread, a session opening (``segments_for``). The sequence lock that
+readers rely on (``shm.lookup_index``) needs that: two writers at once could leave the
+counter even in the middle of a change, or lose a flag. Lock order: the cache's lock, then
+the publisher's; the publisher never calls the cache.
+
+A session's first event lists the tables its caller may read (``segments_for``): its own
+tenant's, or every tenant's for an admin token or when authentication is off, the same
+tenants whose ``Lookup`` it may call.
 
 A tenant's table is created when its first namespace is registered or a session of its
 token opens (the default tenant's at start-up), up to ``max_tenants`` tables; the chunks of
 later tenants are not indexed and their clients keep using ``Lookup``.
+
+On a CPU whose memory model the lock-free reads do not hold for (not x86-64:
+``shm.lookup_index.unsupported_cpu_reason``) the server publishes no tables (``lookup_index``
+returns None and logs why) and every client uses ``Lookup``.
 """
 
 from __future__ import annotations
@@ -25,7 +39,13 @@ from typing import TYPE_CHECKING
 from lmcache_svc.errors import ConfigError
 from lmcache_svc.keys import NAMESPACE_ID_BYTES, ChunkKey, Namespace
 from lmcache_svc.shm.arena import _open_new, _shm_path, _unlink_quietly
-from lmcache_svc.shm.lookup_index import BEAT_S, IndexTable, check_num_slots, segment_bytes
+from lmcache_svc.shm.lookup_index import (
+    BEAT_S,
+    IndexTable,
+    check_num_slots,
+    segment_bytes,
+    unsupported_cpu_reason,
+)
 
 if TYPE_CHECKING:
     from lmcache_svc.config import Config
@@ -89,7 +109,8 @@ class IndexSegment:
 
 
 class IndexPublisher:
-    """Thread-safe: ``changed`` runs under the cache's lock, the rest under this one's."""
+    """Thread-safe: every method takes this publisher's lock, the only lock its tables are
+    written under (``changed`` is called with the cache's lock held: taken in that order)."""
 
     def __init__(
         self,
@@ -168,13 +189,14 @@ class IndexPublisher:
 
     def changed(self, key: ChunkKey, readable: bool) -> None:
         """The chunk ``key`` became readable in the first tier, or stopped being so."""
-        seg = self._by_namespace.get(key[:NAMESPACE_ID_BYTES])
-        if seg is None or self._closed:
-            return
-        if readable:  # keyed by namespace and chunk hash (lookup_index.key_fingerprint)
-            seg.table.insert(key)
-        else:
-            seg.table.remove(key)
+        with self._lock:
+            seg = self._by_namespace.get(key[:NAMESPACE_ID_BYTES])
+            if seg is None or self._closed:
+                return
+            if readable:  # keyed by namespace and chunk hash (lookup_index.key_fingerprint)
+                seg.table.insert(key)
+            else:
+                seg.table.remove(key)
 
     def segments_for(self, tenant: str | None) -> list[IndexSegmentInfo]:
         """The tables a caller may map: ``tenant``'s (created now if needed, so a session
@@ -191,21 +213,25 @@ class IndexPublisher:
             return self._tenants.get(tenant)
 
     def close(self) -> None:
-        """Mark every table closed (clients stop reading it) and remove the segments; the
-        caller holds the cache's lock (no ``changed`` runs meanwhile)."""
+        """Mark every table closed (clients stop reading it) and remove the segments."""
         self._stop.set()
         with self._lock:
             self._closed = True
             segs, self._tenants, self._by_namespace = list(self._tenants.values()), {}, {}
-        for seg in segs:
-            seg.close()
+            for seg in segs:
+                seg.close()
 
 
 def lookup_index(config: Config, tier_name: str, medium: Medium) -> IndexPublisher | None:
     """The publisher the config asks for (``cpu.lookup_index``) for the first tier (its name
-    and medium go into every table's header), or None."""
+    and medium go into every table's header), or None: not asked for, or a CPU the index's
+    lock-free reads are not safe on (logged, once: clients then use ``Lookup`` over gRPC)."""
     c = config.cpu
     if not c.lookup_index:
+        return None
+    reason = unsupported_cpu_reason()
+    if reason is not None:
+        log.warning("lookup index off (cpu.lookup_index ignored): %s; clients use Lookup", reason)
         return None
     return IndexPublisher(
         tier_name,

@@ -3,7 +3,8 @@
 The server publishes, per tenant, a fixed-size open-addressing table of 64-bit chunk
 fingerprints in its own POSIX shared-memory segment; a client on the same host maps it
 read-only and answers ``Lookup`` without a round trip (``IndexReader.lookup``). The server
-is the only writer (under its cache lock); readers take no lock.
+is the only writer (``server.index_publisher``, every write under the publisher's lock);
+readers take no lock.
 
 Layout (native little-endian uint64 words):
 
@@ -31,8 +32,15 @@ a mix: a fingerprint it finds was written by the server for some chunk (no key t
 never inserted is reported). A 64-bit fingerprint can collide: with a million chunks
 indexed, a given absent chunk matches one of them with probability 2^-44. Either way a hit
 is only a promise; the load's lease (``PrepareLoad``) decides, and a chunk it cannot pin is
-recomputed by the engine, never read wrong. The ordering argument assumes the x86-64
-memory model (stores are seen in program order), which is where this runs.
+recomputed by the engine, never read wrong.
+
+The ordering argument needs the x86-64 memory model: another core sees the writer's stores
+in program order (the counter made odd before the slot changes, the slot before the counter
+made even) and the reader's loads are not reordered either. Nothing here issues a memory
+barrier (Python has none to issue), so on a weakly ordered CPU (ARM, POWER, RISC-V) a reader
+could see a slot change with the counter unchanged. There the index is not used at all
+(``unsupported_cpu_reason``): the server publishes no tables and a client maps none it is
+offered; lookups go to the server over gRPC, with one warning saying why.
 
 A miss is final only when the table is complete: ``FLAG_INCOMPLETE`` (overflow) or
 ``FLAG_LOWER_TIERS`` (the server has tiers below the arena, whose chunks are hits for
@@ -47,8 +55,10 @@ answer nothing and the client's gRPC Lookup meets its deadline, as without the i
 from __future__ import annotations
 
 import fcntl
+import logging
 import mmap
 import os
+import platform
 import secrets
 import time
 import weakref
@@ -82,6 +92,21 @@ STALE_S = 0.25
 STALE_NS = int(STALE_S * 1e9)
 INDEX_TRANSPORT = "shm-index"
 """``Segment.transport`` of an index segment in the session's first event."""
+ORDERED_MACHINES = frozenset({"x86_64", "AMD64"})
+"""``platform.machine()`` of the CPUs whose memory model the sequence lock relies on."""
+
+log = logging.getLogger(__name__)
+
+
+def unsupported_cpu_reason() -> str | None:
+    """Why this host's CPU cannot share the index lock-free, or None when it can (x86-64)."""
+    machine = platform.machine()
+    if machine in ORDERED_MACHINES:
+        return None
+    return (
+        f"the CPU is {machine or 'unknown'!r}, not x86-64: the index's lock-free reads rely "
+        "on x86-64 store ordering"
+    )
 
 
 def namespace_word(namespace_id: bytes) -> int:
@@ -140,7 +165,8 @@ def _get_medium(buf: memoryview) -> Medium | None:
 
 
 class IndexTable:
-    """The writer: one table over a writable buffer. Not thread-safe (the cache's lock)."""
+    """The writer: one table over a writable buffer. Not thread-safe: every call is made
+    under one lock (``server.index_publisher``: the publisher's), so there is one writer."""
 
     def __init__(
         self, buf: memoryview, num_slots: int, tenant: str, tier_name: str, medium: Medium
@@ -404,11 +430,15 @@ class IndexReader:
 
 
 def open_index_segments(segments: Iterable[object]) -> dict[str, IndexReader]:
-    """The index segments of a session's first event that map here, by tenant."""
+    """The index segments of a session's first event that map here, by tenant; none on a
+    CPU the index's ordering argument does not hold for (``unsupported_cpu_reason``)."""
     readers: dict[str, IndexReader] = {}
-    for seg in segments:
-        if getattr(seg, "transport", None) != INDEX_TRANSPORT:
-            continue
+    offered = [seg for seg in segments if getattr(seg, "transport", None) == INDEX_TRANSPORT]
+    reason = unsupported_cpu_reason() if offered else None
+    if reason is not None:
+        log.warning("lookup index not mapped (%s); lookups go to the server over gRPC", reason)
+        return readers
+    for seg in offered:
         reader = IndexReader.open(seg.name, seg.size, seg.nonce)  # type: ignore[attr-defined]
         if reader is not None:
             readers[reader.tenant] = reader

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import logging
+import platform
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,9 +19,10 @@ from lmcache_svc.cache import TieredCache
 from lmcache_svc.cache.settings import CacheSettings
 from lmcache_svc.cache.values import TierPolicy
 from lmcache_svc.client import CacheClient
+from lmcache_svc.config import load_config
 from lmcache_svc.keys import KVLayout, Namespace
 from lmcache_svc.server.grpc.cache_service import build_grpc_server
-from lmcache_svc.server.index_publisher import IndexPublisher
+from lmcache_svc.server.index_publisher import IndexPublisher, lookup_index
 from lmcache_svc.server.tokens import Authenticator
 from lmcache_svc.shm.arena import Arena
 from lmcache_svc.tiers.cpu import CpuTier
@@ -249,3 +252,75 @@ def test_the_index_is_keyed_by_namespace_and_chunk_hash(served: Served) -> None:
         cache.put(ns1, h(0), b"\0" * CHUNK)
         assert client.lookup(ns2, [h(0)]).num_hit_chunks == 0
         assert client.lookup(ns1, [h(0)]).num_hit_chunks == 1
+
+
+def test_every_write_to_a_table_holds_the_publisher_s_lock() -> None:
+    """One writer: ``changed`` (called under the cache's lock) writes under the publisher's
+    lock too, as its heartbeat and its other methods do."""
+    cache = make_cache(2)
+    publisher = cache.lookup_index
+    assert publisher is not None
+    acme = table(cache, "acme")
+    writes: list[str] = []
+
+    def held(name: str) -> None:
+        real = getattr(acme, name)
+
+        def write(*args: Any) -> Any:
+            assert publisher._lock.locked(), f"{name} without the publisher's lock"  # noqa: SLF001
+            writes.append(name)
+            return real(*args)
+
+        setattr(acme, name, write)
+
+    for name in ("insert", "remove", "set_lower_tiers", "mark_closed"):
+        held(name)
+    try:
+        cache.put(ACME_NS.namespace_id, h(0), b"\0" * CHUNK)
+        cache.delete(ACME_NS.namespace_id, [h(0)])
+        publisher.set_lower_tiers(False)
+    finally:
+        cache.close()
+    assert writes == ["insert", "remove", "set_lower_tiers", "mark_closed"]
+
+
+def test_off_x86_the_client_maps_no_table_and_lookups_go_over_grpc(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The index's lock-free reads rely on x86-64's memory ordering: on another CPU a client
+    offered a table (here by a publisher made directly) does not map it, says why once, and
+    every lookup is a ``Lookup`` call with the same answers."""
+    monkeypatch.setattr(platform, "machine", lambda: "aarch64")
+    srv = Served(make_cache(4), tmp_path)
+    try:
+        cache = srv.cache
+        for i in range(3):
+            cache.put(ACME_NS.namespace_id, h(i), bytes([i]) * CHUNK)
+        with srv.client(ACME) as client, caplog.at_level(logging.WARNING):
+            ns_id = client.register_namespace(ACME_NS)
+            assert client.shm_available  # the arena is mapped, the index is not
+            assert client._live_session().indexes == {}  # noqa: SLF001
+            query = [h(0), h(1), h(2), h(9)]
+            before = cache.metrics.lookup_chunks._value.get()  # noqa: SLF001
+            got = client.lookup(ns_id, query)
+            assert cache.metrics.lookup_chunks._value.get() == before + 4  # noqa: SLF001 (RPC)
+            assert got.num_hit_chunks == 3 and got.tiers == ["cpu"] * 3
+            cache.delete(ns_id, [h(1)])
+            assert client.lookup(ns_id, query).num_hit_chunks == 1
+        refusals = [r.getMessage() for r in caplog.records if "lookup index" in r.getMessage()]
+        assert len(refusals) == 1 and "'aarch64', not x86-64" in refusals[0]
+    finally:
+        srv.close()
+
+
+def test_off_x86_the_server_publishes_no_index(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    config = load_config(env={})
+    publisher = lookup_index(config, "cpu", "host_memory")
+    assert publisher is not None  # on x86-64, as configured
+    publisher.close()
+    monkeypatch.setattr(platform, "machine", lambda: "ppc64le")
+    with caplog.at_level(logging.WARNING):
+        assert lookup_index(config, "cpu", "host_memory") is None
+    assert "'ppc64le', not x86-64" in caplog.text and "clients use Lookup" in caplog.text

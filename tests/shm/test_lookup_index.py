@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import platform
 import random
 import sys
 import threading
@@ -24,6 +25,7 @@ from lmcache_svc.shm.lookup_index import (
     answer_locally,
     key_fingerprint,
     open_index_segments,
+    unsupported_cpu_reason,
 )
 from lmcache_svc.v1 import cache_pb2 as pb
 
@@ -296,3 +298,18 @@ def test_the_same_hash_in_two_namespaces_is_two_entries(seg: IndexSegment) -> No
     assert reader.lookup(NS, [h]).num_hit_chunks == 0  # type: ignore[union-attr]
     assert reader.lookup(other, [h]).num_hit_chunks == 1  # type: ignore[union-attr]
     assert not seg.table.contains(NS + g) and not seg.table.remove(other + g)
+
+
+@pytest.mark.parametrize(
+    ("machine", "supported"),
+    [("x86_64", True), ("AMD64", True), ("aarch64", False), ("arm64", False),
+     ("ppc64le", False), ("riscv64", False), ("", False)],
+)  # fmt: skip
+def test_only_x86_64_shares_the_index(
+    machine: str, supported: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(platform, "machine", lambda: machine)
+    reason = unsupported_cpu_reason()
+    assert (reason is None) == supported
+    if reason is not None:
+        assert repr(machine or "unknown") in reason and "x86-64" in reason
