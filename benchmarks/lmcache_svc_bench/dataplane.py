@@ -418,7 +418,7 @@ def _targets(
         f"call took {rpc_ms:.2f} ms in this run, ~{{share:.0%}} of the path's time)",
     }
     checksums = (
-        "the server's checksums wait until no commit came for cache.checksum_quiet_s, or a "
+        "the server's checksums wait until no commit came for tuning.checksum_quiet_s, or a "
         "chunk waited checksum_max_delay_s"
     )
     beside = {
