@@ -248,8 +248,8 @@ class TuningConfig(_Section):
     lookup_index_slots: int = Field(1 << 18, ge=8)
     """Slots of each tenant's lookup-index table (``cpu.lookup_index``), a power of two; 8
     bytes each (default 2 MiB). It indexes up to 3/4 of its slots in chunks; past that,
-    clients ask the server for misses: raise it when the arena holds more chunks than that
-    (each chunk's bytes divide the arena's capacity)."""
+    clients ask the server for misses. Raise it when the arena holds more chunks than that
+    (about ``cpu.capacity`` / chunk bytes)."""
     lookup_index_tenants: int = Field(16, ge=1)
     """Most tenants with a lookup-index table; later tenants' clients use gRPC Lookup (the
     server logs a warning when a tenant finds none free)."""

@@ -136,8 +136,8 @@ class ConnectorConfig:
         return self.auth_token or os.environ.get(AUTH_TOKEN_ENV) or None
 
 
+# Types of ConnectorConfig's and Tuning's keys together (no name is in both).
 _FLOAT_FIELDS = {"lookup_timeout_ms", "lookup_wait_ms", "rpc_timeout_ms", "retry_interval_s"}
-# lookup_wait_ms and store_pool_chunks are Tuning's (the names are unique in both)
 _INT_FIELDS = {"chunk_size", "async_load_min_tokens", "store_pool_chunks"}
 _BOOL_FIELDS = {"use_shm", "local_lookup", "keep_load_failure_policy"}
 _OPTIONAL_FIELDS = {"chunk_size"}  # null: the default
