@@ -39,6 +39,21 @@ MAX_YAML_NESTING = 64
 stream (iterative) before loading: PyYAML up to 6.0.3 bundles libyaml 0.2.5, whose loader
 recurses in C once per level and crashes the process (SIGSEGV) on a file nested some
 10,000 deep; the check costs about a quarter of a load."""
+SLOW_REDIS_CALL_S = 1.0
+"""Upper bound of ``RedisConfig.slow_call_s()``."""
+MOVED_KEYS = {
+    "cache.checksum_quiet_s": "tuning.checksum_quiet_s",
+    "cache.checksum_max_delay_s": "tuning.checksum_max_delay_s",
+    "cpu.lookup_index_slots": "tuning.lookup_index_slots",
+    "cpu.lookup_index_tenants": "tuning.lookup_index_tenants",
+}
+"""Keys of earlier releases -> where they are now; setting the old one is an error naming
+the new one (in every source: file, environment, flags)."""
+REMOVED_KEYS = {
+    "redis.slow_call_s": "it is now derived from redis.timeout_s (half of it, at most 1 s): "
+    "set redis.timeout_s instead",
+}
+"""Keys of earlier releases that are gone -> what to do instead."""
 
 
 class _Section(BaseModel):
@@ -64,19 +79,7 @@ class CpuConfig(_Section):
     lookup_index: bool = True
     """Publish, per tenant, a read-only table of the arena's chunks in shared memory, so a
     client on this host answers lookups without a round trip (docs/architecture.md,
-    "Lookup index"). Its segments get ``shm_mode``."""
-    lookup_index_slots: int = Field(1 << 18, ge=8)
-    """Slots of each tenant's table, a power of two; 8 bytes each (default 2 MiB). It indexes
-    up to 3/4 of its slots in chunks; past that, clients ask the server for misses."""
-    lookup_index_tenants: int = Field(16, ge=1)
-    """Most tenants with a table; later tenants' clients use gRPC Lookup."""
-
-    @field_validator("lookup_index_slots")
-    @classmethod
-    def _power_of_two(cls, value: int) -> int:
-        if value & (value - 1):
-            raise ValueError(f"must be a power of two, got {value}")
-        return value
+    "Lookup index"). Its segments get ``shm_mode``; their sizes are in ``tuning``."""
 
     @field_validator("shm_mode", mode="before")
     @classmethod
@@ -120,19 +123,24 @@ class RedisConfig(_Section):
     key_prefix: str = "lmcache-svc:v1:"
     """Prefix of every Redis key this tier writes."""
     timeout_s: float = Field(2.0, gt=0, le=60)
-    """Socket timeout of every Redis call: a dead Redis is a miss, never a hang."""
+    """Socket timeout of every Redis call: a dead Redis is a miss, never a hang. A
+    lookup-sized call in flight for half of it (at most 1 s, ``slow_call_s()``) marks Redis
+    down for every other caller at once."""
     breaker_backoff_s: float = Field(0.5, gt=0, le=3600)
     """After a failed or timed-out call, Redis is skipped (a miss) this long before one probe
     call; each failed probe doubles it."""
     breaker_max_backoff_s: float = Field(30.0, gt=0, le=3600)
     """Cap of the doubled backoff."""
-    slow_call_s: float = Field(1.0, gt=0, le=60)
-    """A lookup-sized Redis call in flight this long marks Redis down for every other caller
-    (a hung Redis answers nothing until timeout_s)."""
     accept_demotions: bool = True
     """Chunks evicted from the tiers above move here (when not already written through)."""
     write_through: bool = True
     """Copy every committed chunk here in the background, so other servers can find it."""
+
+    def slow_call_s(self) -> float:
+        """How long a lookup-sized call (presence, size, delete: well under a millisecond
+        on a healthy Redis) may be in flight before Redis counts as hung: half the timeout,
+        at most ``SLOW_REDIS_CALL_S``."""
+        return min(self.timeout_s / 2, SLOW_REDIS_CALL_S)
 
     @model_validator(mode="after")
     def _check_url(self) -> RedisConfig:
@@ -206,12 +214,8 @@ class CacheConfig(_Section):
     checksums: bool = True
     """Keep an xxh3-64 checksum of each arena chunk (taken in the background after commit
     or promotion; 8 bytes per 4 KiB of arena), checked before a chunk is demoted or written
-    through and when a load or get asks ``verify``: a chunk that fails is dropped."""
-    checksum_quiet_s: float = Field(0.05, ge=0, le=60)
-    """The background checksums wait until no chunk has been committed for this long
-    (stores still arriving: the hashing would slow the client's copies) ..."""
-    checksum_max_delay_s: float = Field(1.0, ge=0, le=60)
-    """... or until the oldest chunk waiting has waited this long (under steady stores)."""
+    through and when a load or get asks ``verify``: a chunk that fails is dropped. When
+    they are taken: ``tuning.checksum_quiet_s`` and ``tuning.checksum_max_delay_s``."""
     maintenance_interval_s: float = Field(0.05, gt=0, le=60)
     """How often the background maintenance runs: it expires leases and reservations past
     their deadlines, evicts down to low_watermark and probes lower tiers marked down."""
@@ -229,6 +233,33 @@ class CacheConfig(_Section):
                 f"max_reservation_ttl_s ({self.max_reservation_ttl_s})"
             )
         return self
+
+
+class TuningConfig(_Section):
+    """Values the benchmarks chose (docs/benchmarks.md): leave them unless a measurement on
+    your hardware says otherwise. Each one says what it trades."""
+
+    checksum_quiet_s: float = Field(0.05, ge=0, le=60)
+    """The background checksums (``cache.checksums``) wait until no chunk has been
+    committed for this long (stores still arriving: the hashing would slow the client's
+    copies) ..."""
+    checksum_max_delay_s: float = Field(1.0, ge=0, le=60)
+    """... or until the oldest chunk waiting has waited this long (under steady stores)."""
+    lookup_index_slots: int = Field(1 << 18, ge=8)
+    """Slots of each tenant's lookup-index table (``cpu.lookup_index``), a power of two; 8
+    bytes each (default 2 MiB). It indexes up to 3/4 of its slots in chunks; past that,
+    clients ask the server for misses. Raise it when the arena holds more chunks than that
+    (about ``cpu.capacity`` / chunk bytes)."""
+    lookup_index_tenants: int = Field(16, ge=1)
+    """Most tenants with a lookup-index table; later tenants' clients use gRPC Lookup (the
+    server logs a warning when a tenant finds none free)."""
+
+    @field_validator("lookup_index_slots")
+    @classmethod
+    def _power_of_two(cls, value: int) -> int:
+        if value & (value - 1):
+            raise ValueError(f"must be a power of two, got {value}")
+        return value
 
 
 class MemoryConfig(_Section):
@@ -304,6 +335,7 @@ class Config(_Section):
     cache: CacheConfig = Field(default_factory=CacheConfig)
     memory: MemoryConfig = Field(default_factory=MemoryConfig)
     events: EventsSettings = Field(default_factory=EventsSettings)
+    tuning: TuningConfig = Field(default_factory=TuningConfig)
 
     @field_validator("socket_mode", mode="before")
     @classmethod
@@ -367,10 +399,35 @@ def load_config(
         _set_dotted(data, dotted, value)
     for dotted, value in (overrides or {}).items():
         _set_dotted(data, dotted, value)
+    _check_old_keys(data)
     try:
         return Config.model_validate(data)
     except ValidationError as e:
         raise ConfigError(format_validation_error(e)) from None
+
+
+def _check_old_keys(data: Mapping[str, Any]) -> None:
+    """A key of an earlier release is an error that says where it went."""
+    for old, new in MOVED_KEYS.items():
+        if _has_dotted(data, old):
+            raise ConfigError(
+                f"{old} ({_env_name(old)}) has moved to {new} ({_env_name(new)}): set it there"
+            )
+    for old, instead in REMOVED_KEYS.items():
+        if _has_dotted(data, old):
+            raise ConfigError(f"{old} ({_env_name(old)}) was removed: {instead}")
+
+
+def _has_dotted(data: Mapping[str, Any], dotted: str) -> bool:
+    *parents, leaf = dotted.split(".")
+    node: Any = data
+    for part in parents:
+        node = node.get(part) if isinstance(node, Mapping) else None
+    return isinstance(node, Mapping) and leaf in node
+
+
+def _env_name(dotted: str) -> str:
+    return ENV_PREFIX + dotted.upper().replace(".", "__")
 
 
 def read_config_file(path: str | os.PathLike[str]) -> dict[str, Any]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import yaml
 
 from lmcache_svc.cache.values import TierPolicy
 from lmcache_svc.config import load_config
@@ -45,8 +46,9 @@ def test_file_then_env_then_flags(tmp_path: Path) -> None:
         ({"LMCACHE_SVC_CACHE__LOW_WATERMARK": "0.99"}, "low_watermark"),
         ({"LMCACHE_SVC_CACHE__RESERVATION_TTL_S": "600"}, "max_reservation_ttl_s"),
         ({"LMCACHE_SVC_CACHE__MAX_RESERVED_FRACTION": "0"}, "max_reserved_fraction"),
-        ({"LMCACHE_SVC_CACHE__CHECKSUM_QUIET_S": "-1"}, "checksum_quiet_s"),
-        ({"LMCACHE_SVC_CACHE__CHECKSUM_MAX_DELAY_S": "soon"}, "checksum_max_delay_s"),
+        ({"LMCACHE_SVC_TUNING__CHECKSUM_QUIET_S": "-1"}, "tuning.checksum_quiet_s"),
+        ({"LMCACHE_SVC_TUNING__CHECKSUM_MAX_DELAY_S": "soon"}, "tuning.checksum_max_delay_s"),
+        ({"LMCACHE_SVC_TUNING__LOOKUP_INDEX_SLOTS": "1000"}, "power of two"),
         ({"LMCACHE_SVC_HOST": "0.0.0.0"}, "auth_token"),
         ({"LMCACHE_SVC_AUTH_TOKEN": "short"}, "16 characters"),
         (
@@ -105,20 +107,59 @@ def test_every_setting_is_documented() -> None:
     assert not missing, f"undocumented settings in docs/configuration.md: {missing}"
 
 
+@pytest.mark.parametrize(("timeout_s", "slow_call_s"), [(2.0, 1.0), (1.0, 0.5), (0.2, 0.1)])
+def test_redis_slow_call_is_derived_from_its_timeout(timeout_s: float, slow_call_s: float) -> None:
+    cfg = load_config(env={"LMCACHE_SVC_REDIS__TIMEOUT_S": str(timeout_s)})
+    assert TierPolicy.from_config(cfg.redis).slow_call_s == slow_call_s
+
+
+@pytest.mark.parametrize(
+    ("old", "new"),
+    [
+        ("cache.checksum_quiet_s", "tuning.checksum_quiet_s"),
+        ("cache.checksum_max_delay_s", "tuning.checksum_max_delay_s"),
+        ("cpu.lookup_index_slots", "tuning.lookup_index_slots"),
+        ("cpu.lookup_index_tenants", "tuning.lookup_index_tenants"),
+    ],
+)
+def test_a_moved_key_names_its_new_place_from_every_source(
+    tmp_path: Path, old: str, new: str
+) -> None:
+    section, leaf = old.split(".")
+    env_old = "LMCACHE_SVC_" + old.upper().replace(".", "__")
+    env_new = "LMCACHE_SVC_" + new.upper().replace(".", "__")
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump({section: {leaf: 16}}))
+    for source in (
+        lambda: load_config(path, env={}),
+        lambda: load_config(env={env_old: "16"}),
+        lambda: load_config(env={}, overrides={old: 16}),
+    ):
+        with pytest.raises(ConfigError) as e:
+            source()
+        assert str(e.value) == f"{old} ({env_old}) has moved to {new} ({env_new}): set it there"
+    assert getattr(load_config(env={env_new: "16"}).tuning, new.split(".")[1]) == 16
+
+
+def test_the_removed_redis_slow_call_key_says_what_replaces_it() -> None:
+    with pytest.raises(ConfigError, match=r"redis\.slow_call_s .* was removed: .*redis\.timeout_s"):
+        load_config(env={"LMCACHE_SVC_REDIS__SLOW_CALL_S": "0.5"})
+
+
 def test_tier_policies_come_from_their_sections() -> None:
     cfg = load_config(
         env={
             "LMCACHE_SVC_REDIS__BREAKER_BACKOFF_S": "2",
             "LMCACHE_SVC_REDIS__BREAKER_MAX_BACKOFF_S": "40",
-            "LMCACHE_SVC_REDIS__SLOW_CALL_S": "3",
+            "LMCACHE_SVC_REDIS__TIMEOUT_S": "6",
             "LMCACHE_SVC_REDIS__ACCEPT_DEMOTIONS": "false",
             "LMCACHE_SVC_SSD__WRITE_THROUGH": "true",
             "LMCACHE_SVC_HBM__ACCEPT_DEMOTIONS": "false",
         }
     )
     assert TierPolicy.from_config(cfg.redis) == TierPolicy(
-        accept_demotions=False, write_through=True, backoff_s=2, max_backoff_s=40, slow_call_s=3
-    )
+        accept_demotions=False, write_through=True, backoff_s=2, max_backoff_s=40, slow_call_s=1
+    )  # half the timeout, at most 1 s
     assert TierPolicy.from_config(cfg.ssd) == TierPolicy(accept_demotions=True, write_through=True)
     assert TierPolicy.from_config(cfg.hbm) == TierPolicy(accept_demotions=False)
 

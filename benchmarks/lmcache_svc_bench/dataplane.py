@@ -259,7 +259,7 @@ def _sweep_table(report: Report, p: Params, sweep: Sweep) -> None:
         f"shm store: per {p.request_mib} MiB request, slots taken from the worker's store "
         "pool (reserved ahead, refilled in the background; filled once before the clock "
         "starts), torch copies into them, one bind (CommitStore with reserved_as) on an I/O "
-        "thread, as the vLLM plugin's worker does with store_pool_chunks > 0 (off by "
+        "thread, as the vLLM plugin's worker does with tuning.store_pool_chunks > 0 (off by "
         "default); timed until the last bind returned. shm store (prepare per request): the "
         "plugin's default path, one prepare_store per request paid before its copies, one "
         "commit_store on the I/O thread. shm load: one "
@@ -418,7 +418,7 @@ def _targets(
         f"call took {rpc_ms:.2f} ms in this run, ~{{share:.0%}} of the path's time)",
     }
     checksums = (
-        "the server's checksums wait until no commit came for cache.checksum_quiet_s, or a "
+        "the server's checksums wait until no commit came for tuning.checksum_quiet_s, or a "
         "chunk waited checksum_max_delay_s"
     )
     beside = {
@@ -426,7 +426,7 @@ def _targets(
         "pooled store": f"the binds and refills on the other threads, other processes; {checksums}",
         "load": "the releases on the I/O thread, other processes",
     }
-    paths = (  # the plugin's default first: its store pool is off (store_pool_chunks 0)
+    paths = (  # the plugin's default first: its store pool is off (tuning.store_pool_chunks 0)
         ("shm store (prepare per request)", "store", "the plugin's default path"),
         ("shm store", "pooled store", "plugin store_pool_chunks > 0"),
         ("shm load", "load", "the plugin's path"),

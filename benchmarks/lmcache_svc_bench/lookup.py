@@ -122,7 +122,7 @@ def start_index_only_server(
     env = dict(INDEX_ONLY_ENV)
     if index_chunks is not None:
         slots = 1 << max(3, math.ceil(math.log2(index_chunks / MAX_LOAD)))
-        env["LMCACHE_SVC_CPU__LOOKUP_INDEX_SLOTS"] = str(slots)
+        env["LMCACHE_SVC_TUNING__LOOKUP_INDEX_SLOTS"] = str(slots)
     return start_server(
         work_dir,
         "--cpu-bytes",

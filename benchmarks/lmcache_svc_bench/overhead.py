@@ -265,7 +265,7 @@ def _write_report(
             "From the plugin's 'KV Transfer metrics' line (vLLM's log), read after each "
             "round: counts and hook times summed over the rounds, lookup p50/p99 the median / "
             "largest of the rounds' (the scheduler-side lookup, made off the scheduler "
-            "thread; it waits at most lookup_wait_ms); save_gbps: the step's copy into the "
+            "thread; it waits at most tuning.lookup_wait_ms); save_gbps: the step's copy into the "
             "server's slots (median of the rounds')."
         )
     report.target(

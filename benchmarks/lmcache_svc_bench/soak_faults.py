@@ -21,7 +21,6 @@ from lmcache_svc_bench.redis_procs import RedisProc, redis_server_path, start_re
 
 SERVER_ENV = {
     "LMCACHE_SVC_REDIS__TIMEOUT_S": "1.0",
-    "LMCACHE_SVC_REDIS__SLOW_CALL_S": "0.5",
     "LMCACHE_SVC_REDIS__BREAKER_MAX_BACKOFF_S": "2",
     "LMCACHE_SVC_CACHE__RESERVATION_TTL_S": "10",
 }

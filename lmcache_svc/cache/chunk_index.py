@@ -4,7 +4,8 @@ An index of millions of chunks must stay small (``bench scale`` measures bytes p
 so a chunk at rest (committed, not pinned, not being deleted) is held as ``None``: no state
 beyond its place in the LRU order, its slot being the tier's to tell (``slot_of``). A chunk
 in flux (reserved, being promoted, pinned by a lease or a copy, or deleted while pinned)
-gets an ``Entry`` with its state for that time, dropped again when it settles. The order is
+gets an ``Entry`` with its state for that time, dropped again once the chunk is at rest
+again (``_forget_if_at_rest``). The order is
 least recently used first.
 
 Reservations are counted per owner (``owned_bytes``) and per tenant (``tenant_bytes``, for
@@ -15,7 +16,7 @@ circulation, the key stays busy, and only its owner's commit or abort, or the en
 session, gives the slot back. A quarantined entry never becomes readable.
 
 Not locked itself: the cache's lock guards every call, and this is the only code that
-changes its entries (pins, doomed, deadlines, detached keys): callers read an ``Entry``,
+changes its entries (pins, deleted flags, deadlines, keys being demoted): callers read an ``Entry``,
 never write it. With ``check_lock`` (default: the ``LMCACHE_CHECK_LOCKS`` environment
 variable set to 1, as the test suite does) every method that changes the index raises
 ``RuntimeError`` when the calling thread does not hold the lock it was given.
@@ -47,7 +48,7 @@ class Entry:
     owner: str | None = None
     deadline: float = 0.0
     pins: int = 0
-    doomed: bool = False
+    deleted: bool = False
     """Deleted while pinned: freed when the last pin goes."""
     expired: bool = False
     """A reservation past its deadline, quarantined until its owner lets go of it."""
@@ -56,7 +57,7 @@ class Entry:
 
     @property
     def at_rest(self) -> bool:
-        return self.ready and self.pins == 0 and not self.doomed
+        return self.ready and self.pins == 0 and not self.deleted
 
 
 class ChunkIndex:
@@ -77,7 +78,7 @@ class ChunkIndex:
         self._quarantined: dict[ChunkKey, str | None] = {}  # expired reservation -> owner
         self._owned_bytes: dict[str | None, int] = {}  # reserved + quarantined, per owner
         self._tenant_bytes: dict[str, int] = {}  # the same, per tenant
-        self._detached: set[ChunkKey] = set()  # evicted, bytes being demoted (not yet freed)
+        self._demoting: set[ChunkKey] = set()  # removed, bytes being demoted (not yet freed)
         self.on_change: Callable[[ChunkKey, bool], None] | None = None
         """Told when a chunk becomes readable (True) or stops being so (the lookup index)."""
 
@@ -94,7 +95,7 @@ class ChunkIndex:
 
     def busy(self, key: ChunkKey) -> bool:
         """True when ``key`` has an entry or is being demoted: no new slot for it now."""
-        return key in self._items or key in self._detached
+        return key in self._items or key in self._demoting
 
     def entry(self, key: ChunkKey) -> Entry | None:
         """The key's state while it is in flux (None for a chunk at rest or absent)."""
@@ -106,7 +107,7 @@ class ChunkIndex:
         value = items.get(key)
         if value is None:
             return key in items
-        return value.ready and not value.doomed
+        return value.ready and not value.deleted
 
     def slot_of(self, key: ChunkKey) -> Slot:
         value = self._items[key]
@@ -141,7 +142,7 @@ class ChunkIndex:
         self._disown(entry)
         entry.ready, entry.owner = True, None
         self._pending.discard(key)
-        self.settle(key, entry)
+        self._forget_if_at_rest(key, entry)
         if self.on_change is not None:
             self.on_change(key, True)
 
@@ -190,10 +191,10 @@ class ChunkIndex:
         if entry.tenant is not None:
             _take(self._tenant_bytes, entry.tenant, entry.slot.length)
 
-    def settle(self, key: ChunkKey, entry: Entry) -> None:
+    def _forget_if_at_rest(self, key: ChunkKey, entry: Entry) -> None:
         """Back to the bare slot once the chunk is at rest (its LRU position is kept)."""
         if self._check_lock:
-            self._locked("settle")
+            self._locked("_forget_if_at_rest")
         if entry.at_rest:
             self._items[key] = None
 
@@ -207,26 +208,26 @@ class ChunkIndex:
 
     def unpin(self, key: ChunkKey) -> bool:
         """Drop one pin; True when that was the last pin of a chunk deleted while pinned (the
-        caller frees it now), else the chunk settles."""
+        caller frees it now), else the entry is dropped if the chunk is at rest again."""
         if self._check_lock:
             self._locked("unpin")
         entry = self._items.get(key)
         if entry is None or entry.pins <= 0:
             raise RuntimeError(f"unpin of chunk {key.hex()} that is not pinned")
         entry.pins -= 1
-        if entry.pins == 0 and entry.doomed:
+        if entry.pins == 0 and entry.deleted:
             return True
-        self.settle(key, entry)
+        self._forget_if_at_rest(key, entry)
         return False
 
-    def doom(self, key: ChunkKey) -> None:
+    def mark_deleted(self, key: ChunkKey) -> None:
         """Deleted (or found corrupted) while pinned: freed when its last pin goes. A chunk
         without an entry (at rest or absent) is left alone."""
         if self._check_lock:
-            self._locked("doom")
+            self._locked("mark_deleted")
         entry = self._items.get(key)
         if entry is not None:
-            entry.doomed = True
+            entry.deleted = True
             if self.on_change is not None:
                 self.on_change(key, False)
 
@@ -244,18 +245,19 @@ class ChunkIndex:
             self._locked("touch")
         self._items.move_to_end(key)
 
-    def detach(self, key: ChunkKey) -> Slot:
+    def remove_for_demotion(self, key: ChunkKey) -> Slot:
         """Remove an evicted chunk whose bytes are being demoted: the key stays busy (no new
-        slot for it) until ``release_detached``."""
+        slot for it) until ``end_demotion``."""
         slot = self.remove(key)
-        self._detached.add(key)
+        self._demoting.add(key)
         return slot
 
-    def release_detached(self, key: ChunkKey) -> None:
-        """The demotion of a detached chunk is over (its slot is freed by the caller)."""
+    def end_demotion(self, key: ChunkKey) -> None:
+        """The demotion of a chunk removed by ``remove_for_demotion`` is over (its slot is
+        freed by the caller): the key may get a new slot again."""
         if self._check_lock:
-            self._locked("release_detached")
-        self._detached.discard(key)
+            self._locked("end_demotion")
+        self._demoting.discard(key)
 
     def remove(self, key: ChunkKey) -> Slot:
         if self._check_lock:

@@ -3,7 +3,8 @@
 Allocating a slot (evicting to make room), freeing one, dropping a pin, and the three moves
 between the first tier and the lower ones: demotion of evicted chunks, promotion of chunks
 found only below (for a load), and write-through copies of committed chunks. Bulk copies
-run outside the lock, on entries that are pinned or detached from the index meanwhile.
+run outside the lock, on entries that are pinned, or removed from the index for demotion,
+meanwhile.
 
 Checksums (``checksums.py``, when enabled): taken in the background after a commit or a
 promotion (``record_checksums``, paced: see background_queue.py), or by a write-through
@@ -82,14 +83,14 @@ class FirstTierManager:
         with self._lock:
             victims = self._index.least_recent_at_rest(nbytes)
             for key, _ in victims:
-                self._index.detach(key)
+                self._index.remove_for_demotion(key)
         for key, slot in victims:
             view = self._tier.view(slot)
             if self._intact(key, slot, view):
                 self._lower.demote(key, view)
         with self._lock:
             for key, slot in victims:
-                self._index.release_detached(key)
+                self._index.end_demotion(key)
                 self._clear_sum(slot)
                 self._tier.delete(key)
         self._metrics.evictions.labels(tier=self._tier.name).inc(len(victims))
@@ -134,7 +135,7 @@ class FirstTierManager:
                 for key, _, _ in reserved:
                     self.free(key)
             raise
-        return (*self._settle_promoted(reserved, ok), all(ok))
+        return (*self._commit_promoted(reserved, ok), all(ok))
 
     def _promote_staged(
         self, plan: list[tuple[ChunkKey, LowerTierState]], nbytes: int
@@ -155,14 +156,14 @@ class FirstTierManager:
                 view = self._tier.view(slot)
                 view[:] = data
                 placed.append((key, source, view))
-            more, more_from = self._settle_promoted(placed, [True] * len(placed))
+            more, more_from = self._commit_promoted(placed, [True] * len(placed))
             pinned += more
             sources += more_from
             if len(placed) < len(staged):
                 break
         return pinned, sources
 
-    def _settle_promoted(
+    def _commit_promoted(
         self, reserved: list[tuple[ChunkKey, LowerTierState, memoryview]], ok: list[bool]
     ) -> tuple[list[ChunkKey], list[str]]:
         pinned: list[ChunkKey] = []
@@ -272,7 +273,7 @@ class FirstTierManager:
         self._metrics.tier_errors.labels(tier=self._tier.name, kind="corrupted").inc()
         if condemn:
             with self._lock:
-                self._index.doom(key)
+                self._index.mark_deleted(key)
         return False
 
     def _clear_sum(self, slot: Slot) -> None:

@@ -1,10 +1,11 @@
 """The cache's management of the tiers below the first: which chunks each holds, and how
 chunks move among them.
 
-Each lower tier has an index (chunk key -> size, least recently used first) of what it is
-known to hold: rebuilt from ``Tier.scan()`` at start-up and kept up to date by every put,
-read and delete made through here. A ``shared`` tier (Redis) may also hold chunks other
-servers wrote, so a local miss there is confirmed with one batched ``contains_many``.
+Each lower tier has a tier index, ``LowerTierState.contents`` (chunk key -> size, least
+recently used first), of what it is known to hold: rebuilt from ``Tier.scan()`` at
+start-up and kept up to date by every put, read and delete made through here. A
+``shared`` tier (Redis) may also hold chunks other servers wrote, so a local miss there is
+confirmed with one batched ``contains_many``.
 
 Moves: a chunk evicted from above is *demoted* to the first tier that accepts demotions and
 does not hold it yet; a full tier evicts its own LRU chunk further down first. Reads for
@@ -60,7 +61,7 @@ _PROBE_KEY = ChunkKey(b"\0" * CHUNK_KEY_BYTES)
 class LowerTierState:
     tier: Tier
     policy: TierPolicy
-    index: OrderedDict[ChunkKey, int]
+    contents: OrderedDict[ChunkKey, int]
     breaker: CircuitBreaker
     generation: int = 0
 
@@ -119,14 +120,14 @@ class LowerTierManager:
     def local_tier(self, key: ChunkKey) -> Tier | None:
         """The first lower tier in use (not marked down) whose index holds the chunk."""
         with self._lock:
-            return next((lt.tier for lt in self._tiers if key in lt.index and _up(lt)), None)
+            return next((lt.tier for lt in self._tiers if key in lt.contents and _up(lt)), None)
 
     def sources(self, keys: Sequence[ChunkKey]) -> list[LowerTierState]:
         """The tier to read each chunk of the longest prefix of ``keys`` found below."""
         plan: list[LowerTierState] = []
         with self._lock:
             for key in keys:
-                lt = next((lt for lt in self._tiers if key in lt.index and _up(lt)), None)
+                lt = next((lt for lt in self._tiers if key in lt.contents and _up(lt)), None)
                 if lt is None:
                     break
                 plan.append(lt)
@@ -163,13 +164,13 @@ class LowerTierManager:
                     ok[i] = result is True
                     if result is True:
                         self._metrics.bytes_read.labels(tier=lt.tier.name).inc(len(out))
-                        if key in lt.index:
-                            lt.index.move_to_end(key)
+                        if key in lt.contents:
+                            lt.contents.move_to_end(key)
                         elif not lt.tier.shared:
-                            lt.index[key] = len(out)
+                            lt.contents[key] = len(out)
                             self._changed(lt, key, True)
                     elif _gone(result):
-                        lt.index.pop(key, None)
+                        lt.contents.pop(key, None)
                         self._changed(lt, key, False)
         return ok
 
@@ -180,7 +181,7 @@ class LowerTierManager:
         for position in range(below, len(self._tiers)):
             lt = self._tiers[position]
             with self._lock:
-                if key in lt.index:
+                if key in lt.contents:
                     return  # already there (written through, or promoted from there)
             if lt.policy.accept_demotions and self._put(position, key, data):
                 self._metrics.demotions.labels(tier=lt.tier.name).inc()
@@ -192,7 +193,7 @@ class LowerTierManager:
             if not lt.policy.write_through:
                 continue
             with self._lock:
-                todo = [(k, v) for k, v in items if k not in lt.index]
+                todo = [(k, v) for k, v in items if k not in lt.contents]
             if not todo:
                 continue
             results = self._call(lt, "write_through", None, lt.tier.put_many, todo)
@@ -220,7 +221,7 @@ class LowerTierManager:
 
     def _stored(self, lt: LowerTierState, key: ChunkKey, size: int) -> None:
         with self._lock:
-            lt.index[key] = size
+            lt.contents[key] = size
             self._changed(lt, key, True)
         self._metrics.bytes_written.labels(tier=lt.tier.name).inc(size)
 
@@ -228,9 +229,9 @@ class LowerTierManager:
         """Evict the tier's least recently used chunk, demoting it further down."""
         lt = self._tiers[position]
         with self._lock:
-            if not lt.index:
+            if not lt.contents:
                 return False
-            key, size = lt.index.popitem(last=False)
+            key, size = lt.contents.popitem(last=False)
             self._changed(lt, key, False)
         if any(x.policy.accept_demotions for x in self._tiers[position + 1 :]):
             data = memoryview(bytearray(size))
@@ -245,9 +246,9 @@ class LowerTierManager:
     def _restore(self, lt: LowerTierState, key: ChunkKey, size: int) -> None:
         """Put back the index entry of a chunk the tier failed to delete, least recent."""
         with self._lock:
-            if key not in lt.index:
-                lt.index[key] = size
-                lt.index.move_to_end(key, last=False)
+            if key not in lt.contents:
+                lt.contents[key] = size
+                lt.contents.move_to_end(key, last=False)
                 self._changed(lt, key, True)
 
     def delete(self, key: ChunkKey) -> bool:
@@ -255,7 +256,7 @@ class LowerTierManager:
         found = False
         for lt in self._tiers:
             with self._lock:
-                size = lt.index.pop(key, None)
+                size = lt.contents.pop(key, None)
                 self._changed(lt, key, False)
             if size is None and not lt.tier.shared:
                 continue
@@ -364,11 +365,11 @@ class LowerTierManager:
             lt.generation = lt.tier.generation  # a later change resyncs again
             found = dict(lt.tier.rescan())
             with self._lock:
-                gone = sum(1 for k in lt.index if k not in found)
-                index = OrderedDict((k, found[k]) for k in lt.index if k in found)
+                gone = sum(1 for k in lt.contents if k not in found)
+                index = OrderedDict((k, found[k]) for k in lt.contents if k in found)
                 for key, size in found.items():
                     index.setdefault(key, size)
-                lt.index = index
+                lt.contents = index
                 if self._listener is not None:
                     self._listener.tier_contents(lt.tier, list(index))
             self._metrics.resyncs.labels(tier=lt.tier.name).inc()

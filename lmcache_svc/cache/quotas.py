@@ -70,7 +70,7 @@ class ReservationBudget:
         _add(self._owner_charges, owner, nbytes)
         _add(self._tenant_charges, tenant, nbytes)
 
-    def settle(self, owner: str | None, tenant: str, nbytes: int) -> None:
+    def uncharge(self, owner: str | None, tenant: str, nbytes: int) -> None:
         """The request is done: its reservations are counted by the index now."""
         _add(self._owner_charges, owner, -nbytes)
         _add(self._tenant_charges, tenant, -nbytes)

@@ -88,7 +88,7 @@ class Sessions:
     def charge_lease(self, tenant: str, session_id: str | None, num_chunks: int) -> None:
         """Charge a load about to pin up to ``num_chunks`` chunks to its tenant's lease quota
         (``quotas.LeaseQuota``: ``LeaseLimit`` over it); ``grant`` or ``uncharge_lease``
-        settles it."""
+        gives the charge back."""
         with self._lock:
             self._quota.take(tenant, session_id is None, num_chunks)
 

@@ -52,7 +52,7 @@ class StorePath(CacheCore):
                 out.append(PreparedStore(ChunkHash(bytes(h)), status, slot))
         finally:
             with self._lock:
-                self._reservations.settle(session_id, ns.tenant, charged)
+                self._reservations.uncharge(session_id, ns.tenant, charged)
         self._update_pending()
         return out
 
@@ -89,7 +89,7 @@ class StorePath(CacheCore):
         """``owner``'s reservation of ``key`` while it may still be committed; one past its
         deadline is freed (its slot may have been rewritten) and None returned. Lock held."""
         entry = self._index.entry(key)
-        if entry is None or entry.ready or entry.doomed or entry.owner != owner:
+        if entry is None or entry.ready or entry.deleted or entry.owner != owner:
             return None
         if entry.expired or entry.deadline <= time.monotonic():
             if entry.pins == 0:
@@ -201,7 +201,7 @@ class StorePath(CacheCore):
                     found = True
                     entry = self._index.entry(key)
                     if entry is not None and entry.pins:
-                        self._index.doom(key)
+                        self._index.mark_deleted(key)
                     else:
                         self._first_tier.free(key)
             num += self._lower.delete(key) or found

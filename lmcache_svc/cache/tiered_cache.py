@@ -17,8 +17,8 @@ Ownership is two-phase and explicit:
   (or expiry, or session end) unpins. A pinned chunk is never evicted, demoted or freed.
 
 One lock guards the indices; bulk copies to and from lower tiers happen outside it, on
-entries that are pinned or detached from the index for the duration. The cache is the
-protocol, one path per module over a shared core (``core``: the parts, the lock, the
+entries that are pinned, or removed from the index for demotion, for the duration. The
+cache is the protocol, one path per module over a shared core (``core``: the parts, the lock, the
 namespaces): ``lookups``, ``stores`` (store, commit, abort, delete), ``placeholders`` (the
 store pool's ``bind_store``), ``loads`` and ``maintenance`` (the background thread,
 eviction to the watermark, expiry, flush, close). The parts live beside them in this package

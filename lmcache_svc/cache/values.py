@@ -41,7 +41,7 @@ class TierPolicy:
                 section.write_through,
                 backoff_s=section.breaker_backoff_s,
                 max_backoff_s=section.breaker_max_backoff_s,
-                slow_call_s=section.slow_call_s,
+                slow_call_s=section.slow_call_s(),
             )
         write_through = section.write_through if isinstance(section, SsdConfig) else False
         return cls(section.accept_demotions, write_through)

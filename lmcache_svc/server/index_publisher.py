@@ -169,7 +169,7 @@ class IndexPublisher:
         if len(self._tenants) >= self._max_tenants:
             if not self._warned_full:
                 log.warning(
-                    "lookup index: %d tenants have tables (cpu.lookup_index_tenants); "
+                    "lookup index: %d tenants have tables (tuning.lookup_index_tenants); "
                     "tenant %r and later ones use Lookup over gRPC",
                     self._max_tenants,
                     tenant,
@@ -236,7 +236,7 @@ def lookup_index(config: Config, tier_name: str, medium: Medium) -> IndexPublish
     return IndexPublisher(
         tier_name,
         medium,
-        num_slots=c.lookup_index_slots,
-        max_tenants=c.lookup_index_tenants,
+        num_slots=config.tuning.lookup_index_slots,
+        max_tenants=config.tuning.lookup_index_tenants,
         mode=c.shm_mode,
     )

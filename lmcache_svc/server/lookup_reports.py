@@ -74,7 +74,7 @@ class _Bucket:
 class ReportBudget:
     """Per tenant, what may still be reported: refilled at ``LOOKUPS_PER_S`` and
     ``CHUNKS_PER_S``, at most ``BURST_S`` seconds' worth. Thread-safe. Only tenants with a
-    lookup-index table report (at most ``cpu.lookup_index_tenants``), so it stays small."""
+    lookup-index table report (at most ``tuning.lookup_index_tenants``), so it stays small."""
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._clock = clock

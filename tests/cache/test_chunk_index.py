@@ -1,4 +1,4 @@
-"""ChunkIndex: chunks at rest hold no state object; chunks in flux do, until they settle."""
+"""ChunkIndex: chunks at rest hold no state object; chunks in flux do, until at rest again."""
 
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ def test_commit_leaves_no_entry_and_keeps_the_slot_reachable() -> None:
     assert index.slot_of(key) == Slot(8192, 101)
 
 
-def test_pin_materializes_an_entry_and_the_last_unpin_settles_it() -> None:
+def test_pin_materializes_an_entry_and_the_last_unpin_drops_it() -> None:
     index, tier = make_index()
     key = reserve(index, tier, 1)
     index.mark_ready(key, index.entry(key))  # type: ignore[arg-type]
@@ -99,7 +99,8 @@ def test_a_change_without_the_lock_raises_when_checking() -> None:
         other.start()
         other.join()
     assert [str(e) for e in failures] == ["ChunkIndex.unpin called without the cache's lock held"]
-    for change in (index.touch, index.doom, index.detach, lambda k: index.extend_deadline(k, 2.0)):
+    changes = (index.touch, index.mark_deleted, index.remove_for_demotion)
+    for change in (*changes, lambda k: index.extend_deadline(k, 2.0)):
         with pytest.raises(RuntimeError, match="without the cache's lock"):
             change(key)
     assert index.entry(key) is not None and index.entry(key).pins == 1  # type: ignore[union-attr]

@@ -75,7 +75,7 @@ def make_lower(tier: RedisTier) -> tuple[LowerTierManager, Metrics]:
 
 
 def index_of(lower: LowerTierManager) -> dict[ChunkKey, int]:
-    return dict(lower._tiers[0].index)
+    return dict(lower._tiers[0].contents)
 
 
 def evict_all(lower: LowerTierManager) -> int:

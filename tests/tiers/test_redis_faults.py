@@ -34,7 +34,6 @@ def redis_server(tmp_path: Path, redis: RedisProc, *, workers: int = 16) -> Serv
         redis.url,
         env={
             "LMCACHE_SVC_REDIS__TIMEOUT_S": str(REDIS_TIMEOUT_S),
-            "LMCACHE_SVC_REDIS__SLOW_CALL_S": "0.5",
             "LMCACHE_SVC_REDIS__BREAKER_MAX_BACKOFF_S": "2",
             "LMCACHE_SVC_GRPC_WORKERS": str(workers),
         },

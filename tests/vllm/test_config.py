@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from dataclasses import fields
+from pathlib import Path
+
 import pytest
-from lmcache_svc_vllm.config import ConnectorConfig, default_chunk_size, parse_config
+from lmcache_svc_vllm.config import ConnectorConfig, Tuning, default_chunk_size, parse_config
 
 from lmcache_svc.errors import ConfigError
 from lmcache_svc_bench.vllm_common import BLOCK_SIZE
@@ -15,6 +18,8 @@ def test_defaults() -> None:
     assert config == ConnectorConfig()
     assert (config.chunk_size, config.tenant, config.load_mode) == (None, "default", "auto")
     assert parse_config({"chunk_size": None}) == config  # null: the default too
+    assert parse_config({"tuning": {}}) == parse_config({"tuning": None}) == config
+    assert config.tuning == Tuning(lookup_wait_ms=5.0, store_pool_chunks=0)
 
 
 def test_all_keys_parse() -> None:
@@ -25,7 +30,6 @@ def test_all_keys_parse() -> None:
             "model_id": "llama-3-8b",
             "chunk_size": 512,
             "lookup_timeout_ms": 20,
-            "lookup_wait_ms": 0,
             "rpc_timeout_ms": 500,
             "retry_interval_s": 0.5,
             "load_mode": "async",
@@ -33,8 +37,10 @@ def test_all_keys_parse() -> None:
             "use_shm": False,
             "auth_token": "secret",
             "keep_load_failure_policy": True,
+            "tuning": {"lookup_wait_ms": 0, "store_pool_chunks": 64},
         }
     )
+    assert config.tuning == Tuning(lookup_wait_ms=0.0, store_pool_chunks=64)
     assert config.lookup_timeout_ms == 20.0 and isinstance(config.lookup_timeout_ms, float)
     assert (config.url, config.load_mode, config.use_shm) == ("127.0.0.1:7000", "async", False)
     assert config.resolved_auth_token() == "secret"
@@ -51,7 +57,13 @@ def test_all_keys_parse() -> None:
         ({"load_mode": "later"}, "load_mode must be one of"),
         ({"tenant": ""}, "tenant must not be empty"),
         ({"retry_interval_s": -1}, "retry_interval_s must be >= 0"),
-        ({"lookup_wait_ms": -1}, "lookup_wait_ms must be >= 0"),
+        ({"tuning": {"lookup_wait_ms": -1}}, r"tuning\.lookup_wait_ms must be >= 0"),
+        ({"tuning": {"store_pool_chunks": -1}}, r"tuning\.store_pool_chunks must be >= 0"),
+        ({"tuning": {"store_pool_chunks": 1.5}}, "store_pool_chunks must be an integer"),
+        ({"tuning": {"lookup_wait": 1}}, r"unknown key\(s\) \['lookup_wait'\] in .*\.tuning"),
+        ({"tuning": 5}, "tuning must be a mapping"),
+        ({"lookup_wait_ms": 0}, r"\['lookup_wait_ms'\] have moved into its tuning mapping"),
+        ({"store_pool_chunks": 8}, r'write \{"tuning": \{"store_pool_chunks": \.\.\.\}\}'),
         ({"url": 7000}, "url must be a string"),
     ],
 )
@@ -98,3 +110,11 @@ def test_a_configured_chunk_size_is_kept() -> None:
 def test_auth_token_falls_back_to_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("LMCACHE_SVC_AUTH_TOKEN", "from-env")
     assert parse_config({}).resolved_auth_token() == "from-env"
+
+
+def test_every_key_is_in_the_docs_table() -> None:
+    docs = (Path(__file__).parents[2] / "docs" / "vllm.md").read_text()
+    keys = [f.name for f in fields(ConnectorConfig)]
+    keys += [f"tuning.{f.name}" for f in fields(Tuning)]
+    missing = [k for k in keys if f"| `{k}` |" not in docs]
+    assert not missing, f"undocumented keys in docs/vllm.md: {missing}"

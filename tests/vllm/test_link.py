@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import pytest
-from lmcache_svc_vllm.config import ConnectorConfig
+from lmcache_svc_vllm.config import ConnectorConfig, Tuning
 from lmcache_svc_vllm.link import Reservation, ServerLink
 
 from lmcache_svc.client import CacheClient
@@ -103,7 +103,8 @@ def test_stores_after_the_first_take_slots_reserved_ahead(
     its commit the pool holds as many slots, and the next store copies into them without
     a prepare round trip; the pool's slots go back when the link closes."""
     server = start_server(tmp_path)
-    config = ConnectorConfig(url=server.socket, store_pool_chunks=64)  # opt in: off by default
+    pool = Tuning(store_pool_chunks=64)  # opt in: off by default
+    config = ConnectorConfig(url=server.socket, tuning=pool)
     link = ServerLink(config, NAMESPACE, "link-test")
     try:
         first = _reserve_when_up(link)

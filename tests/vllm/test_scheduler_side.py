@@ -157,7 +157,7 @@ def test_hung_server_costs_one_timeout_then_recovers(
         os.kill(server.proc.pid, signal.SIGSTOP)
         time.sleep(STALE_S + 0.05)  # the lookup index stops answering for a hung server
         # While the lookup is out, the scheduler answers "not decided yet" (it waits at most
-        # lookup_wait_ms per call); the lookup resolves as a miss at its 100 ms deadline;
+        # tuning.lookup_wait_ms per call); the lookup resolves as a miss at its 100 ms deadline;
         # then the back-off answers the next requests without asking the server.
         first = answers_until_decided(scheduler, request("h0", prompt))
         assert first[-1] == (0, False) and first[:-1] and set(first[:-1]) == {(None, False)}

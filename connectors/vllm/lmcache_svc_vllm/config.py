@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Any, Literal, get_args
 
 from lmcache_svc.errors import ConfigError
@@ -20,11 +20,34 @@ MIN_DEFAULT_CHUNK_TOKENS = 128
 tokens: vLLM's block itself on the CPU backend (128), 8 blocks under CUDA's 16."""
 
 
+MOVED_TO_TUNING = frozenset({"lookup_wait_ms", "store_pool_chunks"})
+"""Top-level keys of earlier releases that now go in the ``tuning`` mapping."""
+
+
 def default_chunk_size(block_size: int) -> int:
     """The chunk size used when ``chunk_size`` is not configured, for a given block size."""
     if block_size < 1:
         raise ConfigError(f"vLLM's block size must be >= 1, got {block_size!r}")
     return -(-MIN_DEFAULT_CHUNK_TOKENS // block_size) * block_size
+
+
+@dataclass(frozen=True, slots=True)
+class Tuning:
+    """``kv_connector_extra_config["tuning"]``: values the benchmarks chose
+    (docs/benchmarks.md); leave them unless a measurement on your hardware says otherwise."""
+
+    lookup_wait_ms: float = 5.0
+    """How long the scheduler waits inline for a lookup's answer; past it, vLLM is told
+    "not decided yet", runs its other requests, and asks again next step (0: never wait)."""
+    store_pool_chunks: int = 0
+    """Most shared-memory slots the worker keeps reserved ahead of its stores (it keeps
+    twice as many as its largest store so far needed), so a store copies without waiting for a
+    reservation; they count against the session's reservation limit. 0: no pool."""
+
+    def __post_init__(self) -> None:
+        for name in ("lookup_wait_ms", "store_pool_chunks"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"tuning.{name} must be >= 0, got {getattr(self, name)!r}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,9 +67,6 @@ class ConnectorConfig:
     resolved by ``for_block_size`` once the engine's block size is known."""
     lookup_timeout_ms: float = 100.0
     """Deadline of the scheduler's lookup; a slower answer counts as a miss."""
-    lookup_wait_ms: float = 5.0
-    """How long the scheduler waits inline for a lookup's answer; past it, vLLM is told
-    "not decided yet", runs its other requests, and asks again next step (0: never wait)."""
     rpc_timeout_ms: float = 2000.0
     """Deadline of the worker's store/load calls (prepare, commit, release)."""
     retry_interval_s: float = 1.0
@@ -64,26 +84,20 @@ class ConnectorConfig:
     """Answer the scheduler's lookups from the server's shared-memory index when it is
     mapped here (same host, ``use_shm``), without a round trip; otherwise, or when the
     index cannot tell (a lower tier, an overflowed table), ask the server."""
-    store_pool_chunks: int = 0
-    """Most shared-memory slots the worker keeps reserved ahead of its stores (it keeps
-    twice as many as its largest store so far needed), so a store copies without waiting for a
-    reservation; they count against the session's reservation limit. 0: no pool."""
     auth_token: str | None = None
     """Bearer token for a server started with auth; default: $LMCACHE_SVC_AUTH_TOKEN."""
     keep_load_failure_policy: bool = False
     """By default the plugin sets vLLM's ``kv_load_failure_policy`` to ``recompute`` (a
     cache that is down must not fail requests); ``true`` keeps the value you configured."""
+    tuning: Tuning = field(default_factory=Tuning)
+    """Values the benchmarks chose (the ``tuning`` mapping of the extra config)."""
 
     def __post_init__(self) -> None:
         if self.chunk_size is not None:
             _check_positive("chunk_size", self.chunk_size)
         _check_positive("async_load_min_tokens", self.async_load_min_tokens)
-        if self.store_pool_chunks < 0:
-            raise ConfigError(f"store_pool_chunks must be >= 0, got {self.store_pool_chunks!r}")
         for name in ("lookup_timeout_ms", "rpc_timeout_ms"):
             _check_positive(name, getattr(self, name))
-        if self.lookup_wait_ms < 0:
-            raise ConfigError(f"lookup_wait_ms must be >= 0, got {self.lookup_wait_ms!r}")
         if self.retry_interval_s < 0:
             raise ConfigError(f"retry_interval_s must be >= 0, got {self.retry_interval_s!r}")
         if self.load_mode not in get_args(LoadMode):
@@ -122,6 +136,7 @@ class ConnectorConfig:
         return self.auth_token or os.environ.get(AUTH_TOKEN_ENV) or None
 
 
+# Types of ConnectorConfig's and Tuning's keys together (no name is in both).
 _FLOAT_FIELDS = {"lookup_timeout_ms", "lookup_wait_ms", "rpc_timeout_ms", "retry_interval_s"}
 _INT_FIELDS = {"chunk_size", "async_load_min_tokens", "store_pool_chunks"}
 _BOOL_FIELDS = {"use_shm", "local_lookup", "keep_load_failure_policy"}
@@ -131,15 +146,33 @@ _OPTIONAL_FIELDS = {"chunk_size"}  # null: the default
 def parse_config(extra: Mapping[str, Any] | None) -> ConnectorConfig:
     """``kv_connector_extra_config`` -> ``ConnectorConfig``, naming any bad key."""
     extra = dict(extra or {})
-    known = [f.name for f in fields(ConnectorConfig)]
-    unknown = sorted(set(extra) - set(known))
+    moved = sorted(set(extra) & MOVED_TO_TUNING)
+    if moved:
+        raise ConfigError(
+            f"kv_connector_extra_config key(s) {moved} have moved into its tuning mapping: "
+            f'write {{"tuning": {{"{moved[0]}": ...}}}} instead'
+        )
+    tuning = _parse_tuning(extra.pop("tuning", None))
+    values = _parse_keys(extra, [f.name for f in fields(ConnectorConfig)])
+    return ConnectorConfig(**values, tuning=tuning)
+
+
+def _parse_tuning(value: Any) -> Tuning:
+    if value is None:
+        return Tuning()
+    if not isinstance(value, Mapping):
+        raise ConfigError(f"tuning must be a mapping of key to value, got {value!r}")
+    return Tuning(**_parse_keys(value, [f.name for f in fields(Tuning)], where="tuning"))
+
+
+def _parse_keys(values: Mapping[str, Any], known: list[str], where: str = "") -> dict[str, Any]:
+    unknown = sorted(set(values) - set(known))
     if unknown:
         raise ConfigError(
-            f"unknown key(s) {unknown} in kv_connector_extra_config for LMCacheSvcConnector; "
-            f"known keys: {known}"
+            f"unknown key(s) {unknown} in kv_connector_extra_config"
+            f"{'.' + where if where else ''} for LMCacheSvcConnector; known keys: {known}"
         )
-    values = {name: _coerce(name, value) for name, value in extra.items()}
-    return ConnectorConfig(**values)
+    return {name: _coerce(name, value) for name, value in values.items()}
 
 
 def _coerce(name: str, value: Any) -> Any:

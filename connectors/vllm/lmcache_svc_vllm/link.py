@@ -190,12 +190,12 @@ class ServerLink:
 
     def _store_pool(self) -> StorePool | None:
         """The pool of slots reserved ahead (created once the namespace is registered)."""
-        if self.config.store_pool_chunks == 0:
+        if self.config.tuning.store_pool_chunks == 0:
             return None
         with self._lock:
             if self._pool is None and self._namespace_id is not None:
                 self._pool = StorePool(
-                    self._client, self._namespace_id, max_slots=self.config.store_pool_chunks
+                    self._client, self._namespace_id, max_slots=self.config.tuning.store_pool_chunks
                 )
             return self._pool
 

@@ -8,8 +8,8 @@ become a ``SavePlan``. Chunks the server already holds are not saved again.
 
 Runs inside vLLM's scheduler loop, so nothing here may block for long or raise. Hashing
 and the lookup run on a small thread pool; the scheduler waits for the answer at most
-``lookup_wait_ms`` and otherwise tells vLLM "not decided yet" (``None``), which makes vLLM
-ask again on its next step while it keeps running the other requests. The lookup itself
+``tuning.lookup_wait_ms`` and otherwise tells vLLM "not decided yet" (``None``), which makes
+vLLM ask again on its next step while it keeps running the other requests. The lookup itself
 has a deadline (``lookup_timeout_ms``) after which it is a miss (``link.py``).
 """
 
@@ -138,7 +138,7 @@ class SchedulerSide:
         if state.pending is None:
             return True
         try:
-            answer = state.pending.result(timeout=self.config.lookup_wait_ms / 1000)
+            answer = state.pending.result(timeout=self.config.tuning.lookup_wait_ms / 1000)
         except FutureTimeout:
             overdue = time.monotonic() - state.started > 2 * self.config.lookup_timeout_ms / 1000
             if not overdue:
