@@ -46,6 +46,8 @@ def request(req_id: str, token_ids: list[int], **fields: object) -> SimpleNamesp
 
 def make_scheduler(url: str, **config: object) -> tuple[SchedulerSide, StatsRecorder]:
     config.setdefault("retry_interval_s", 0.2)
+    # Tests of timeouts set their own; the rest must not turn into misses on a busy machine.
+    config.setdefault("lookup_timeout_ms", 2000)
     cfg = ConnectorConfig(url=url, chunk_size=CHUNK, **config)  # type: ignore[arg-type]
     stats = StatsRecorder()
     link = ServerLink(cfg, NAMESPACE, "test-scheduler")
