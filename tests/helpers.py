@@ -1,13 +1,20 @@
-"""Factories the tests share: layouts, namespaces, chunk keys, chunk hashes and payloads.
+"""Factories the tests share: layouts, namespaces, chunk keys, chunk hashes and payloads;
+and the waits and counters that keep tests off the wall clock (``wait_until``,
+``count_calls``).
 
-Each is deterministic (the same arguments give the same value), so a test builds a chunk again
-to compare it with what it reads back. The defaults fit together: ``make_chunk(seed)`` is one
-chunk of ``make_namespace()`` (16 tokens x 2 planes x 1 layer x 1 head x 128 uint8 = 4 KiB).
+The factories are deterministic (the same arguments give the same value), so a test builds a
+chunk again to compare it with what it reads back. The defaults fit together:
+``make_chunk(seed)`` is one chunk of ``make_namespace()``
+(16 tokens x 2 planes x 1 layer x 1 head x 128 uint8 = 4 KiB).
 """
 
 from __future__ import annotations
 
 import hashlib
+import time
+from collections.abc import Callable
+
+import pytest
 
 from lmcache_svc.keys import ChunkKey, KVLayout, Namespace
 
@@ -53,3 +60,28 @@ def make_chunk(seed: int | str, nbytes: int = CHUNK_BYTES) -> bytes:
     """``nbytes`` of payload named by ``seed`` (different seeds differ in every 32-byte block)."""
     block = hashlib.sha256(f"payload-{seed}".encode()).digest()
     return (block * (nbytes // len(block) + 1))[:nbytes]
+
+
+def wait_until(predicate: Callable[[], object], timeout_s: float, what: str) -> None:
+    """Poll ``predicate`` until it is true; fail naming ``what`` if it never was in
+    ``timeout_s`` (a bound on a hang, not a measurement: it holds however slow the machine)."""
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"{what} did not happen within {timeout_s} s")
+        time.sleep(0.005)
+
+
+def count_calls(monkeypatch: pytest.MonkeyPatch, owner: object, name: str) -> list[tuple]:
+    """Record each call of ``owner.name`` (a class's method or a module's function; each call
+    still runs): one entry per call, its positional arguments after ``self``."""
+    calls: list[tuple] = []
+    target = getattr(owner, name)
+    is_method = isinstance(owner, type)
+
+    def counted(*args: object, **kwargs: object) -> object:
+        calls.append(args[1:] if is_method else args)
+        return target(*args, **kwargs)
+
+    monkeypatch.setattr(owner, name, counted)
+    return calls

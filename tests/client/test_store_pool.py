@@ -10,7 +10,6 @@ was stored meanwhile stays reserved for the next store.
 
 from __future__ import annotations
 
-import hashlib
 import time
 
 import grpc
@@ -20,20 +19,12 @@ from lmcache_svc import errors
 from lmcache_svc.client import CacheClient
 from lmcache_svc.client.store_pool import StorePool
 from lmcache_svc.v1 import cache_pb2 as pb
+from tests.helpers import make_chunk, make_hash, wait_until
 from tests.server.inprocess import CHUNK, NS_ID
 from tests.server.inprocess import serve as serve  # the fixture
 from tests.server.test_put_reservations import stub_for
 
 FOREVER = float("inf")
-
-
-def make_hash(name: str) -> bytes:
-    return hashlib.sha256(name.encode()).digest()
-
-
-def make_chunk(name: str) -> bytes:
-    seed = hashlib.sha256(b"data" + name.encode()).digest()
-    return (seed * (CHUNK // len(seed) + 1))[:CHUNK]
 
 
 def filled(client: CacheClient, num: int) -> StorePool:
@@ -53,9 +44,11 @@ def test_pooled_slots_become_the_chunks_written_into_them(serve) -> None:
         assert len(slots) == 2
         names = ["a", "b"]
         for slot, name in zip(slots, names):
-            slot.buffer[:] = make_chunk(name)
+            slot.buffer[:] = make_chunk(name, CHUNK)
         assert pool.bind([make_hash(n) for n in names], slots) == 2
-        assert client.load(NS_ID, [make_hash(n) for n in names]) == [make_chunk(n) for n in names]
+        assert client.load(NS_ID, [make_hash(n) for n in names]) == [
+            make_chunk(n, CHUNK) for n in names
+        ]
         # the placeholders are gone: nothing of theirs can be looked up or committed
         assert client.lookup(NS_ID, [s.placeholder for s in slots]).num_hit_chunks == 0
         assert client.commit_store(NS_ID, [s.placeholder for s in slots]) == 0
@@ -66,17 +59,17 @@ def test_pooled_slots_become_the_chunks_written_into_them(serve) -> None:
 def test_a_placeholder_whose_chunk_is_stored_already_stays_reserved(serve) -> None:
     srv = serve(4)
     with CacheClient(srv.socket) as client, CacheClient(srv.socket) as other:
-        assert other.store(NS_ID, [make_hash("a")], [make_chunk("a")]) == 1
+        assert other.store(NS_ID, [make_hash("a")], [make_chunk("a", CHUNK)]) == 1
         pool = filled(client, 1)
         (slot,) = pool.take(1)
-        slot.buffer[:] = make_chunk("not a")
+        slot.buffer[:] = make_chunk("not a", CHUNK)
         assert pool.bind([make_hash("a")], [slot]) == 0
-        assert client.load(NS_ID, [make_hash("a")]) == [make_chunk("a")]  # the first kept
+        assert client.load(NS_ID, [make_hash("a")]) == [make_chunk("a", CHUNK)]  # the first kept
         (again,) = pool.take(1)
         assert again is slot  # back at the head of the pool, still reserved
-        again.buffer[:] = make_chunk("b")
+        again.buffer[:] = make_chunk("b", CHUNK)
         assert pool.bind([make_hash("b")], [again]) == 1
-        assert client.load(NS_ID, [make_hash("b")]) == [make_chunk("b")]
+        assert client.load(NS_ID, [make_hash("b")]) == [make_chunk("b", CHUNK)]
         pool.close()
 
 
@@ -88,13 +81,13 @@ def test_bind_after_the_deadline_publishes_nothing_and_never_reuses_the_slot(ser
         pool.close()  # no refill from here on (the test frees the only slot below)
         assert srv.cache.reap_expired(now=FOREVER) == 1  # quarantined: the writer may write
         with CacheClient(srv.socket) as other:  # the only slot is not given to another chunk
-            assert other.store(NS_ID, [make_hash("x")], [make_chunk("x")]) == 0
-        slot.buffer[:] = make_chunk("late")
+            assert other.store(NS_ID, [make_hash("x")], [make_chunk("x", CHUNK)]) == 0
+        slot.buffer[:] = make_chunk("late", CHUNK)
         assert pool.bind([make_hash("late")], [slot]) == 0
         assert client.lookup(NS_ID, [make_hash("late")]).num_hit_chunks == 0
         # the bind gave the quarantined slot back: another chunk can have it now
         with CacheClient(srv.socket) as other:
-            assert other.store(NS_ID, [make_hash("x")], [make_chunk("x")]) == 1
+            assert other.store(NS_ID, [make_hash("x")], [make_chunk("x", CHUNK)]) == 1
 
 
 def test_another_session_cannot_bind_a_pooled_slot(serve) -> None:
@@ -104,7 +97,7 @@ def test_another_session_cannot_bind_a_pooled_slot(serve) -> None:
         (slot,) = pool.take(1)
         assert other.bind_store(NS_ID, [make_hash("a")], [slot.placeholder]) == (0, [])
         assert other.lookup(NS_ID, [make_hash("a")]).num_hit_chunks == 0
-        slot.buffer[:] = make_chunk("a")
+        slot.buffer[:] = make_chunk("a", CHUNK)
         assert pool.bind([make_hash("a")], [slot]) == 1
         pool.close()
 
@@ -124,16 +117,7 @@ def test_pooled_slots_count_against_the_reservation_limit_and_end_with_the_sessi
             client.prepare_store(NS_ID, [make_hash("c")])
         assert srv.cache.num_pending_stores() == 2
     # the client closed its session without giving the slots back: the server does
-    assert _wait_no_pending(srv)
-
-
-def _wait_no_pending(srv) -> bool:
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        if srv.cache.num_pending_stores() == 0:
-            return True
-        time.sleep(0.05)
-    return False
+    wait_until(lambda: srv.cache.num_pending_stores() == 0, 10, "the session's slots given back")
 
 
 def test_bind_needs_one_placeholder_per_chunk_and_no_abort(serve) -> None:
@@ -166,7 +150,7 @@ def test_stale_slots_are_not_handed_out_and_are_given_back(serve) -> None:
         pool = StorePool(client, NS_ID, max_slots=2, ttl_s=0.2)
         pool.target = 2
         assert pool.refill() == 2
-        time.sleep(0.15)  # past half the TTL: not handed out any more
+        time.sleep(0.15)  # the behaviour under test: past half the TTL, not handed out any more
         assert pool.take(2) == []
         pool.refill()  # aborts the stale ones, reserves fresh ones (or the refill queued did)
         fresh = pool.take(2)
@@ -187,14 +171,12 @@ def test_the_pool_keeps_two_stores_worth_so_back_to_back_stores_find_slots(serve
         first, second = pool.take(2), pool.take(2)  # before any bind came back
         assert len(first) == len(second) == 2
         for i, slot in enumerate(first + second):
-            slot.buffer[:] = make_chunk(f"c{i}")
+            slot.buffer[:] = make_chunk(f"c{i}", CHUNK)
         hashes = [make_hash(f"c{i}") for i in range(4)]
         assert pool.bind(hashes[:2], first) + pool.bind(hashes[2:], second) == 4
-        assert client.load(NS_ID, hashes) == [make_chunk(f"c{i}") for i in range(4)]
-        deadline = time.monotonic() + 10  # refilled in the background after the binds
-        while pool.num_slots < 4 and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert pool.num_slots == 4
+        assert client.load(NS_ID, hashes) == [make_chunk(f"c{i}", CHUNK) for i in range(4)]
+        # refilled in the background after the binds
+        wait_until(lambda: pool.num_slots == 4, 10, "the pool refilled to 4 slots")
         capped = StorePool(client, NS_ID, max_slots=3)
         capped.take(2)
         assert capped.target == 3  # never past max_slots
@@ -207,7 +189,7 @@ def test_slots_of_a_failed_bind_are_aborted_not_handed_out_again(serve) -> None:
     with CacheClient(srv.socket) as client:
         pool = filled(client, 2)
         (slot,) = pool.take(1)
-        slot.buffer[:] = make_chunk("a")
+        slot.buffer[:] = make_chunk("a", CHUNK)
         with pytest.raises(errors.InvalidArgument):  # refused: one placeholder for two
             pool.bind([make_hash("a"), make_hash("b")], [slot])
         assert srv.cache.num_pending_stores() == 2  # still reserved on the server

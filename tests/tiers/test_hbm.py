@@ -5,7 +5,6 @@ without CUDA. The device copies and CUDA IPC run in tests/gpu (GPU machines only
 # ruff: noqa: E402  (imports after the torch check)
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,24 +17,15 @@ from lmcache_svc.cache import TieredCache
 from lmcache_svc.cache.values import TierPolicy
 from lmcache_svc.config import load_config
 from lmcache_svc.errors import ConfigError, InvalidArgument
-from lmcache_svc.keys import ChunkKey, KVLayout, Namespace
 from lmcache_svc.server.app import build_cache
 from lmcache_svc.shm.arena import Arena
 from lmcache_svc.tiers.cpu import CpuTier
 from lmcache_svc.tiers.cuda_ipc import CudaIpcHandle, export_handle
 from lmcache_svc.tiers.hbm import DevicePool, HbmTier
 from lmcache_svc.tiers.ssd import SsdTier
+from tests.helpers import make_chunk, make_hash, make_key, make_namespace
 
 CHUNK = 64 * 1024
-
-
-def make_key(i: int) -> ChunkKey:
-    return ChunkKey(bytes([i]) * 16 + i.to_bytes(32, "little"))
-
-
-def make_chunk(name: str) -> bytes:
-    seed = hashlib.sha256(b"data" + name.encode()).digest()
-    return (seed * (CHUNK // len(seed) + 1))[:CHUNK]
 
 
 def make_tier(num_chunks: int) -> tuple[HbmTier, torch.Tensor]:
@@ -45,11 +35,13 @@ def make_tier(num_chunks: int) -> tuple[HbmTier, torch.Tensor]:
 
 def test_chunks_live_at_their_slot_in_the_pool() -> None:
     tier, buffer = make_tier(4)
-    assert tier.put(make_key(1), make_chunk("a")) and tier.put(make_key(2), make_chunk("b"))
+    assert tier.put(make_key(1), make_chunk("a", CHUNK)) and tier.put(
+        make_key(2), make_chunk("b", CHUNK)
+    )
     slot = tier.slot_of(make_key(2))
     assert slot is not None and slot.length == CHUNK
     pool_bytes = bytes(buffer[slot.offset : slot.offset + slot.length].numpy())
-    assert pool_bytes == make_chunk("b")  # what an engine mapping the pool would copy
+    assert pool_bytes == make_chunk("b", CHUNK)  # what an engine mapping the pool would copy
     assert tier.slot_of(make_key(3)) is None
     tier.close()
     with pytest.raises(RuntimeError, match="closed"):
@@ -58,23 +50,23 @@ def test_chunks_live_at_their_slot_in_the_pool() -> None:
 
 def test_a_slot_being_read_is_not_reused_until_the_read_ends() -> None:
     tier, _ = make_tier(1)
-    tier.put(make_key(1), make_chunk("a"))
+    tier.put(make_key(1), make_chunk("a", CHUNK))
     slot = tier.slot_of(make_key(1))
     assert slot is not None
     with tier._lock:
         tier._reads.begin(slot)  # a read_into in flight, as read_into counts it
     assert tier.delete(make_key(1)) == CHUNK
-    assert not tier.put(make_key(2), make_chunk("b"))  # the slot is still being read
+    assert not tier.put(make_key(2), make_chunk("b", CHUNK))  # the slot is still being read
     tier._end_read(slot)
-    assert tier.put(make_key(2), make_chunk("b"))
-    assert tier.get(make_key(2)) == make_chunk("b")
+    assert tier.put(make_key(2), make_chunk("b", CHUNK))
+    assert tier.get(make_key(2)) == make_chunk("b", CHUNK)
 
 
 def test_empty_chunks_and_wrong_buffers_are_refused() -> None:
     tier, _ = make_tier(2)
     with pytest.raises(InvalidArgument):
         tier.put(make_key(1), b"")
-    tier.put(make_key(1), make_chunk("a"))
+    tier.put(make_key(1), make_chunk("a", CHUNK))
     with pytest.raises(InvalidArgument):
         tier.read_into(make_key(1), memoryview(bytearray(CHUNK + 1)))
     with pytest.raises(ValueError, match="contiguous 1-D uint8"):
@@ -84,12 +76,8 @@ def test_empty_chunks_and_wrong_buffers_are_refused() -> None:
 # -- in the cache's policy -------------------------------------------------------------
 
 
-def make_namespace() -> Namespace:
-    layout = KVLayout("uint8", 1, 1, 128, 16, "test")
-    return Namespace(model="m", layout=layout, chunk_size=256)
-
-
-NS = make_namespace().namespace_id
+NAMESPACE = make_namespace(chunk_size=256)  # 64 KiB chunks
+NS = NAMESPACE.namespace_id
 
 
 @pytest.fixture
@@ -98,22 +86,18 @@ def cache(tmp_path: Path) -> Iterator[TieredCache]:
     hbm, _ = make_tier(3)
     ssd = SsdTier(tmp_path / "ssd", 8 * (CHUNK + 4096))
     made = TieredCache(CpuTier(arena), [(hbm, TierPolicy()), (ssd, TierPolicy())])
-    made.register_namespace(make_namespace())
+    made.register_namespace(NAMESPACE)
     yield made
     made.close()
 
 
-def h(name: str) -> bytes:
-    return hashlib.sha256(name.encode()).digest()
-
-
 def where(cache: TieredCache, *names: str) -> list[str | None]:
-    return [cache.contains(NS, h(n)) for n in names]
+    return [cache.contains(NS, make_hash(n)) for n in names]
 
 
 def test_arena_evictions_go_to_hbm_and_its_lru_goes_on_to_ssd(cache: TieredCache) -> None:
     for n in "abcdef":
-        assert cache.put(NS, h(n), make_chunk(n)) == "reserved"
+        assert cache.put(NS, make_hash(n), make_chunk(n, CHUNK)) == "reserved"
     # arena holds 2, HBM 3: a, b, c, d were demoted to HBM in that order, d pushed a on
     assert where(cache, *"abcdef") == ["ssd", "hbm", "hbm", "hbm", "cpu", "cpu"]
     hbm = cache.tiers[1]
@@ -124,11 +108,11 @@ def test_arena_evictions_go_to_hbm_and_its_lru_goes_on_to_ssd(cache: TieredCache
 
 def test_a_load_promotes_from_hbm_into_the_arena(cache: TieredCache) -> None:
     for n in "abcd":
-        cache.put(NS, h(n), make_chunk(n))
+        cache.put(NS, make_hash(n), make_chunk(n, CHUNK))
     assert where(cache, "a", "b") == ["hbm", "hbm"]
-    lease = cache.prepare_load(NS, [h("a")])
+    lease = cache.prepare_load(NS, [make_hash("a")])
     assert lease.source_tiers == ["hbm"]
-    assert bytes(cache.view(lease.slots[0])) == make_chunk("a")
+    assert bytes(cache.view(lease.slots[0])) == make_chunk("a", CHUNK)
     assert lease.lease_id is not None and cache.release_load(lease.lease_id)
     assert where(cache, "a")[0] == "cpu"
     assert cache.metrics.promotions.labels(tier="cpu")._value.get() == 1
