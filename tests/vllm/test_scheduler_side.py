@@ -20,9 +20,11 @@ from lmcache_svc_vllm.scheduler import SchedulerSide
 from lmcache_svc_vllm.stats import StatsRecorder
 
 from lmcache_svc.client import CacheClient
+from lmcache_svc.errors import ServerUnavailable
 from lmcache_svc.keys import KVLayout, Namespace, chunk_hashes
 from lmcache_svc.shm.lookup_index import STALE_S
 from lmcache_svc_bench.procs import ServerProc, start_server
+from tests.helpers import count_calls, wait_until
 
 BLOCK, CHUNK = 128, 256
 NAMESPACE = Namespace(
@@ -134,12 +136,17 @@ def test_requests_whose_kv_is_not_a_function_of_tokens_are_skipped(server: Serve
     assert stats.take() is None  # not even looked up
 
 
-def test_unreachable_server_is_a_fast_miss(tmp_path: Path) -> None:
-    scheduler, stats = make_scheduler(str(tmp_path / "nobody.sock"))
-    start = time.monotonic()
+def test_unreachable_server_is_a_fast_miss(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A refused connection is a miss at once (no deadline waited for), and the back-off
+    answers the next requests without trying the server again."""
+    attempts = count_calls(monkeypatch, CacheClient, "register_namespace")
+    outages = count_calls(monkeypatch, ServerLink, "_mark_down")
+    scheduler, stats = make_scheduler(str(tmp_path / "nobody.sock"), retry_interval_s=3600.0)
     for i in range(20):
         assert answer(scheduler, request(f"r{i}", tokens(i, 600))) == (0, False)
-    assert time.monotonic() - start < 1.0
+    assert len(attempts) == 1, "requests in the back-off tried the server"
+    ((what, error),) = outages
+    assert isinstance(error, ServerUnavailable) and "UNAVAILABLE" in str(error)  # refused
     data = stats.take()
     assert data is not None and data["lookup_failures"] == 20
 
@@ -157,7 +164,7 @@ def test_hung_server_costs_one_timeout_then_recovers(
         store_prefix(server, prompt, 2)
         server_lookups = count_calls(monkeypatch, CacheClient, "lookup")
         os.kill(server.proc.pid, signal.SIGSTOP)
-        time.sleep(STALE_S + 0.05)  # the lookup index stops answering for a hung server
+        time.sleep(STALE_S + 0.05)  # under test: the lookup index stops answering once stale
         # While the lookup is out, the scheduler answers "not decided yet" (it waits at most
         # tuning.lookup_wait_ms per call); the lookup resolves as a miss at its 100 ms deadline;
         # then the back-off answers the next requests without asking the server.
@@ -172,27 +179,16 @@ def test_hung_server_costs_one_timeout_then_recovers(
         assert data["lookups_deferred"] == num_deferred
         assert max(data["lookup_seconds"]) >= 0.09  # the one call waited for its deadline
         os.kill(server.proc.pid, signal.SIGCONT)
-        deadline = time.monotonic() + 5
-        while answer(scheduler, request(f"x{time.monotonic()}", prompt))[0] == 0:
-            assert time.monotonic() < deadline, "no hit after the server resumed"
-            time.sleep(0.05)
+        asked = iter(range(10**9))
+        wait_until(
+            lambda: answer(scheduler, request(f"x{next(asked)}", prompt))[0] > 0,
+            5,
+            "a hit after the server resumed",
+        )
         assert len(server_lookups) > 1  # the back-off ended and the server was asked again
     finally:
         os.kill(server.proc.pid, signal.SIGCONT)
         server.cleanup()
-
-
-def count_calls(monkeypatch: pytest.MonkeyPatch, cls: type, name: str) -> list[object]:
-    """Counts the calls of method ``name`` of ``cls`` (each still runs): one entry per call."""
-    calls: list[object] = []
-    method = getattr(cls, name)
-
-    def counted(self: object, *args: object, **kwargs: object) -> object:
-        calls.append(args)
-        return method(self, *args, **kwargs)
-
-    monkeypatch.setattr(cls, name, counted)
-    return calls
 
 
 def answers_until_decided(
