@@ -11,8 +11,10 @@ chunk again to compare it with what it reads back. The defaults fit together:
 from __future__ import annotations
 
 import hashlib
+import socket
 import time
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 
@@ -84,4 +86,28 @@ def count_calls(monkeypatch: pytest.MonkeyPatch, owner: object, name: str) -> li
         return target(*args, **kwargs)
 
     monkeypatch.setattr(owner, name, counted)
+    return calls
+
+
+def count_socket_calls(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, str]]:
+    """Record each ``connect``, ``recv``, ``recv_into`` and ``sendall`` of this process's
+    sockets as ``(name, outcome)``, outcome ``"ok"``, ``"timeout"`` (a timeout was paid) or
+    ``"error"``: how many times a client tried a server, and how many deadlines it waited out."""
+    calls: list[tuple[str, str]] = []
+    for name in ("connect", "recv", "recv_into", "sendall"):
+        method = getattr(socket.socket, name)
+
+        def counted(self: socket.socket, *args: Any, _name: str = name, _call: Any = method) -> Any:
+            try:
+                result = _call(self, *args)
+            except TimeoutError:
+                calls.append((_name, "timeout"))
+                raise
+            except OSError:
+                calls.append((_name, "error"))
+                raise
+            calls.append((_name, "ok"))
+            return result
+
+        monkeypatch.setattr(socket.socket, name, counted)
     return calls
