@@ -66,12 +66,15 @@ def make_chunk(seed: int | str, nbytes: int = CHUNK_BYTES) -> bytes:
 
 def wait_until(predicate: Callable[[], object], timeout_s: float, what: str) -> None:
     """Poll ``predicate`` until it is true; fail naming ``what`` if it never was in
-    ``timeout_s`` (a bound on a hang, not a measurement: it holds however slow the machine)."""
+    ``timeout_s`` (a bound on a hang, not a measurement: set it generously). The polls start
+    1 ms apart and back off to 100 ms, so a predicate that asks a server does not load it."""
     deadline = time.monotonic() + timeout_s
+    pause_s = 0.001
     while not predicate():
         if time.monotonic() >= deadline:
             raise AssertionError(f"{what} did not happen within {timeout_s} s")
-        time.sleep(0.005)
+        time.sleep(pause_s)
+        pause_s = min(2 * pause_s, 0.1)
 
 
 def count_calls(monkeypatch: pytest.MonkeyPatch, owner: object, name: str) -> list[tuple]:

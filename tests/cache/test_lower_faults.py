@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 import signal
 import threading
-import time
 from collections.abc import Callable
 
 from lmcache_svc.cache import TieredCache
@@ -22,17 +21,10 @@ from lmcache_svc.shm.arena import Arena
 from lmcache_svc.tiers.cpu import CpuTier
 from lmcache_svc.tiers.redis import RedisTier
 from lmcache_svc_bench.redis_procs import RedisProc
-from tests.helpers import make_chunk, make_key, make_namespace
+from tests.helpers import make_chunk, make_key, make_namespace, wait_until
 
 REDIS_TIMEOUT_S = 2.0
 BOUND_S = REDIS_TIMEOUT_S / 2
-
-
-def wait_for(what: str, check: Callable[[], bool], timeout_s: float = 30) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.01)
 
 
 def in_thread(fn: Callable[[], object]) -> threading.Thread:
@@ -53,10 +45,10 @@ def test_a_caller_never_waits_on_the_probe_of_a_hung_redis(
     os.kill(redis.process.pid, signal.SIGSTOP)
     try:
         first = in_thread(lambda: lower.sources(keys))  # waits its timeout: the detection
-        wait_for("the breaker to trip", lambda: breaker.state != "closed")
+        wait_until(lambda: breaker.state != "closed", 30, "the breaker to trip")
         first.join(REDIS_TIMEOUT_S * 3)
         for _ in range(2):  # past each backoff: the probe runs in the background
-            wait_for("the backoff to pass", breaker.probe_due, timeout_s=REDIS_TIMEOUT_S * 3)
+            wait_until(breaker.probe_due, REDIS_TIMEOUT_S * 3, "the backoff to pass")
             caller = in_thread(lambda: lower.sources(keys))
             caller.join(BOUND_S)
             assert not caller.is_alive(), "a caller waited on the hung Redis (it probed)"
@@ -64,8 +56,10 @@ def test_a_caller_never_waits_on_the_probe_of_a_hung_redis(
     finally:
         os.kill(redis.process.pid, signal.SIGCONT)
     # callers keep answering at once and start probes; one finds Redis back
-    wait_for("a background probe to bring Redis back", lambda: _asked(lower, keys) == "closed")
-    wait_for("the probes to end", lambda: not lower._probing)
+    wait_until(
+        lambda: _asked(lower, keys) == "closed", 30, "a background probe to bring Redis back"
+    )
+    wait_until(lambda: not lower._probing, 30, "the probes to end")
     lower.close()
 
 
@@ -129,7 +123,9 @@ def test_a_promotion_a_restarted_redis_cannot_serve_evicts_nothing(
         got = cache.get(NS.namespace_id, arena_held[0])
         assert got is not None and got[0] == make_chunk(8, CHUNK_BYTES)
         resyncs = cache.metrics.resyncs.labels(tier="redis")
-        wait_for("the index rebuild of the restarted Redis", lambda: resyncs._value.get() >= 1)
+        wait_until(
+            lambda: resyncs._value.get() >= 1, 30, "the index rebuild of the restarted Redis"
+        )
     finally:
         cache.close()
 

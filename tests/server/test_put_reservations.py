@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import grpc
@@ -20,7 +20,7 @@ from lmcache_svc import errors
 from lmcache_svc.client import CacheClient
 from lmcache_svc.v1 import cache_pb2 as pb
 from lmcache_svc.v1 import cache_pb2_grpc as pb_grpc
-from tests.helpers import make_chunk, make_hash
+from tests.helpers import make_chunk, make_hash, wait_until
 from tests.server.inprocess import CHUNK, NS_ID, InProcessServer
 from tests.server.inprocess import serve as serve  # the fixture
 
@@ -34,13 +34,6 @@ def header(name: str) -> pb.ChunkPart:
     return pb.ChunkPart(
         header=pb.ChunkHeader(namespace_id=NS_ID, chunk_hash=make_hash(name), length=CHUNK)
     )
-
-
-def wait_for(condition: Callable[[], bool], what: str, timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.02)
 
 
 def test_stalled_put_never_writes_into_a_slot_given_to_another_chunk(serve) -> None:
@@ -67,13 +60,13 @@ def test_stalled_put_never_writes_into_a_slot_given_to_another_chunk(serve) -> N
 
     writer = threading.Thread(target=put_a)
     writer.start()
-    wait_for(lambda: srv.cache.num_pending_stores() == 1, "a's reservation")
+    wait_until(lambda: srv.cache.num_pending_stores() == 1, 30, "a's reservation")
     with CacheClient(srv.socket, use_shm=False) as client:
         # "b" is stored as soon as the arena has room again (a's slot back in circulation)
-        wait_for(
+        wait_until(
             lambda: client.put(NS_ID, [(make_hash("b"), make_chunk("b", CHUNK))]) == 1,
+            60,
             "room for b",
-            timeout_s=60,
         )
         resume.set()
         writer.join(60)
@@ -99,7 +92,7 @@ def test_slow_put_that_keeps_sending_is_stored(serve) -> None:
         yield header("slow")
         step = CHUNK // pieces
         for i in range(pieces):
-            time.sleep(0.5)
+            time.sleep(0.5)  # the behaviour under test: a slow upload, longer than the TTL
             yield pb.ChunkPart(data=data[i * step : (i + 1) * step])
 
     response = stub.Put(slow_parts(), timeout=60)

@@ -1,9 +1,7 @@
-"""What the fault tests share: server metrics, what a real Redis holds, polling."""
+"""What the fault tests share: server metrics and what a real Redis holds (polling is
+``tests.helpers.wait_until``)."""
 
 from __future__ import annotations
-
-import time
-from collections.abc import Callable
 
 import httpx
 import redis
@@ -40,13 +38,3 @@ def redis_holds(url: str) -> dict[str, int]:
     finally:
         client.close()
     return {"num_chunks": len(keys), "used_bytes": sum(sizes)}
-
-
-def wait_for(what: str, check: Callable[[], bool], timeout_s: float = 60.0) -> None:
-    """Poll ``check`` until true; fail naming ``what`` after a generous deadline."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if check():
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")

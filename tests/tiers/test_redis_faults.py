@@ -19,9 +19,9 @@ from lmcache_svc.client import CacheClient
 from lmcache_svc.keys import chunk_hashes
 from lmcache_svc_bench.procs import ServerProc, start_server
 from lmcache_svc_bench.redis_procs import RedisProc, send_command
-from tests.helpers import make_chunk
+from tests.helpers import make_chunk, wait_until
 from tests.server.test_grpc import CHUNK, NS
-from tests.tiers.fault_helpers import metric, redis_holds, tier_stats, wait_for
+from tests.tiers.fault_helpers import metric, redis_holds, tier_stats
 
 REDIS_TIMEOUT_S = 6.0
 BOUND_S = REDIS_TIMEOUT_S / 2
@@ -123,18 +123,30 @@ def test_a_hung_redis_is_marked_down_and_arena_work_never_waits(
             traffic.run(f"loader{seed}", loader(seed))
         traffic.run("store", store_new)
         traffic.run("load", load_warm)
-        time.sleep(1.0)
+        names = ["store", "load", *(f"loader{seed}" for seed in range(6))]
+        wait_until(
+            lambda: all(traffic.since(name, 0.0) for name in names), 60, "traffic on every thread"
+        )
 
         os.kill(redis.process.pid, signal.SIGSTOP)
         stopped = True
         hung_at = time.monotonic()
-        wait_for(
-            "the breaker to trip",
+        wait_until(
             lambda: metric(server, "lmcache_svc_tier_breaker_trips_total", tier="redis") >= 1,
-            timeout_s=3 * REDIS_TIMEOUT_S,
+            3 * REDIS_TIMEOUT_S,
+            "the breaker to trip",
         )
         tripped_at = time.monotonic()
-        time.sleep(REDIS_TIMEOUT_S + 2)  # traffic against the hung Redis, past its timeout
+        # Traffic against the hung Redis until every loader got past the call it had out when
+        # Redis hung (that one waited out the timeout) and the arena work kept going meanwhile.
+        wait_until(
+            lambda: (
+                all(len(traffic.since(f"loader{s}", tripped_at + 0.5)) >= 2 for s in range(6))
+                and all(len(traffic.since(name, hung_at)) >= 5 for name in ("store", "load"))
+            ),
+            6 * REDIS_TIMEOUT_S,
+            "every loader past the hung Redis, and arena work meanwhile",
+        )
         measured_until = time.monotonic()
 
         for name in ("store", "load"):  # arena-only work, from the moment Redis hung
@@ -157,16 +169,18 @@ def test_a_hung_redis_is_marked_down_and_arena_work_never_waits(
 
         os.kill(redis.process.pid, signal.SIGCONT)
         stopped = False
-        wait_for(
-            "the tier to come back by itself",
+        wait_until(
             lambda: metric(server, "lmcache_svc_tier_breaker_state", tier="redis") == 0,
+            60,
+            "the tier to come back by itself",
         )
         # Back in use: a new chunk is written through to the real Redis again.
         before = redis_holds(redis.url)["num_chunks"]
         store_new(999_999)
-        wait_for(
-            "write-through to reach Redis again",
+        wait_until(
             lambda: redis_holds(redis.url)["num_chunks"] > before,
+            60,
+            "write-through to reach Redis again",
         )
     finally:
         if stopped:
@@ -199,7 +213,7 @@ def _outage_traffic(server: ServerProc, warm: list[bytes], arena: Traffic, probe
 
     def lookup_miss(i: int) -> None:
         assert client.lookup(ns_id, hashes_for(90_000_000 + i * 256, 1)).num_hit_chunks == 0
-        time.sleep(0.05)
+        time.sleep(0.05)  # paces the probes (a rate, not a wait for something)
 
     arena.run("arena", arena_work)
     probe.run("probe", lookup_miss)
@@ -214,20 +228,29 @@ def test_redis_killed_and_restarted_comes_back_and_stats_match_redis(
     arena, probe = Traffic(), Traffic()
     try:
         warm = _store(server, 0, 10)
-        wait_for("write-through of the first chunks", lambda: _stats_agree(server, redis))
+        wait_until(lambda: _stats_agree(server, redis), 60, "write-through of the first chunks")
         if saved:  # the snapshot a restarted Redis will load: these 10 chunks
             assert send_command(redis.port, "SAVE", timeout_s=10).startswith(b"+OK")
         _store(server, 100, 10)
-        wait_for("write-through of the next chunks", lambda: _stats_agree(server, redis))
+        wait_until(lambda: _stats_agree(server, redis), 60, "write-through of the next chunks")
         assert tier_stats(server, "redis")["num_chunks"] == 20
 
         _outage_traffic(server, warm[:4], arena, probe)
         redis.stop()  # SIGKILL
-        wait_for(
-            "the breaker to trip on the dead Redis",
+        wait_until(
             lambda: metric(server, "lmcache_svc_tier_breaker_trips_total", tier="redis") >= 1,
+            60,
+            "the breaker to trip on the dead Redis",
         )
-        time.sleep(1.0)  # the arena keeps serving meanwhile
+        tripped_at = time.monotonic()
+        wait_until(  # the arena keeps serving meanwhile, and misses keep probing
+            lambda: (
+                len(arena.since("arena", tripped_at)) >= 5
+                and len(probe.since("probe", tripped_at)) >= 5
+            ),
+            60,
+            "arena work and probes after the trip",
+        )
         arena.join()
         probe.join()
         for name, records in [*arena.records.items(), *probe.records.items()]:
@@ -238,17 +261,18 @@ def test_redis_killed_and_restarted_comes_back_and_stats_match_redis(
         expected = 10 if saved else 0
         assert redis_holds(redis.url)["num_chunks"] == expected
         # No traffic now: the server's own probe brings Redis back.
-        wait_for(
-            "the tier to come back and its stats to match Redis",
+        wait_until(
             lambda: (
                 metric(server, "lmcache_svc_tier_breaker_state", tier="redis") == 0
                 and _stats_agree(server, redis)
             ),
+            60,
+            "the tier to come back and its stats to match Redis",
         )
         assert metric(server, "lmcache_svc_tier_resyncs_total", tier="redis") >= 1
         # Chunks stored during the outage were not written through; new ones are again.
         _store(server, 200, 5)
-        wait_for("write-through after the restart", lambda: _stats_agree(server, redis))
+        wait_until(lambda: _stats_agree(server, redis), 60, "write-through after the restart")
         assert redis_holds(redis.url)["num_chunks"] == expected + 5
     finally:
         arena.join()
@@ -265,14 +289,16 @@ def test_a_redis_restarted_between_calls_is_noticed(
     server = redis_server(tmp_path, redis)
     try:
         _store(server, 0, 10)
-        wait_for("write-through", lambda: _stats_agree(server, redis))
+        wait_until(lambda: _stats_agree(server, redis), 60, "write-through")
         assert tier_stats(server, "redis")["num_chunks"] == 10
         redis.stop()
         redis = redis_factory(port=redis.port)
         with CacheClient(server.socket, timeout_s=30) as c:  # one call that reaches Redis
             ns_id = c.register_namespace(NS)
             assert c.lookup(ns_id, hashes_for(70_000_000, 1)).num_hit_chunks == 0
-        wait_for("the stats to match the restarted Redis", lambda: _stats_agree(server, redis))
+        wait_until(
+            lambda: _stats_agree(server, redis), 60, "the stats to match the restarted Redis"
+        )
         assert tier_stats(server, "redis")["num_chunks"] == 0
         assert metric(server, "lmcache_svc_tier_breaker_trips_total", tier="redis") == 0
     finally:
@@ -298,9 +324,10 @@ def test_chunks_only_in_a_tier_marked_down_are_misses(
             assert c.lookup(ns_id, hashes[:1]).tiers == ["redis"]
             redis.stop()
             assert c.lookup(ns_id, hashes_for(80_000_000, 1)).num_hit_chunks == 0  # trips it
-            wait_for(
-                "the breaker to trip",
+            wait_until(
                 lambda: metric(server, "lmcache_svc_tier_breaker_state", tier="redis") == 1,
+                60,
+                "the breaker to trip",
             )
             assert c.lookup(ns_id, hashes[:1]).num_hit_chunks == 0
             assert c.load(ns_id, hashes[:1]) == []

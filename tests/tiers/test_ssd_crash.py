@@ -13,8 +13,9 @@ from pathlib import Path
 from lmcache_svc.client import CacheClient
 from lmcache_svc.keys import chunk_hashes
 from lmcache_svc_bench.procs import ServerProc, start_server
+from tests.helpers import wait_until
 from tests.server.test_grpc import NS
-from tests.tiers.fault_helpers import tier_stats, wait_for
+from tests.tiers.fault_helpers import tier_stats
 
 WRITE_THROUGH = {"LMCACHE_SVC_SSD__WRITE_THROUGH": "true"}
 
@@ -61,7 +62,7 @@ def test_sigkill_during_write_through_serves_only_whole_chunks(tmp_path: Path) -
     first = ssd_server(tmp_path, ssd)
     try:
         durable = store(first, 0, 48)
-        wait_for("write-through", lambda: tier_stats(first, "ssd")["num_chunks"] >= 48)
+        wait_until(lambda: tier_stats(first, "ssd")["num_chunks"] >= 48, 60, "write-through")
         # Heavy write-through in flight when the server is killed.
         stop = threading.Event()
         in_flight: list[bytes] = []
@@ -77,7 +78,7 @@ def test_sigkill_during_write_through_serves_only_whole_chunks(tmp_path: Path) -
 
         thread = threading.Thread(target=writer, daemon=True)
         thread.start()
-        wait_for("writes in flight", lambda: len(in_flight) >= 64)
+        wait_until(lambda: len(in_flight) >= 64, 60, "writes in flight")
         first.proc.kill()
         first.proc.wait()
         stop.set()
