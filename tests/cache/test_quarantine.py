@@ -5,7 +5,6 @@ session ends; a late commit publishes nothing; quarantines count against the own
 from __future__ import annotations
 
 import hashlib
-import time
 from collections.abc import Iterator
 
 import pytest
@@ -16,6 +15,7 @@ from lmcache_svc.errors import InvalidArgument, ReservationExpired, ReservationL
 from lmcache_svc.keys import KVLayout, Namespace
 from lmcache_svc.shm.arena import Arena
 from lmcache_svc.tiers.cpu import CpuTier
+from tests.helpers import wait_until
 
 LAYOUT = KVLayout(
     "uint8", num_layers=1, num_kv_heads=1, head_size=128, block_size=16, page_layout="test"
@@ -135,9 +135,7 @@ def test_the_maintenance_interval_paces_background_expiry(make_cache) -> None:
     for cache in (fast, slow):
         cache.start()
         cache.prepare_store(NS_ID, [h("a")], session_id=cache.open_session(), ttl_s=0.05)
-    deadline = time.monotonic() + 10
-    while fast.num_pending_stores() and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert fast.num_pending_stores() == 0  # quarantined by its maintenance thread
+    # quarantined by its maintenance thread
+    wait_until(lambda: fast.num_pending_stores() == 0, 10, "the fast cache's quarantine")
     assert slow.num_pending_stores() == 1  # its first maintenance step is a minute away
     assert slow.reap_expired() == 1  # expired all the same: only the background pace differs

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -13,6 +12,7 @@ import pytest
 from lmcache_svc.cache import TieredCache
 from lmcache_svc.server.http.api import create_app, make_uvicorn_server
 from lmcache_svc.server.memories.store import MemoryStore
+from tests.helpers import wait_until
 from tests.server.rest import MAX_BODY_BYTES, App, Served, make_cache
 
 
@@ -29,10 +29,8 @@ def serve_http() -> Iterator[Callable[..., Served]]:
         server = make_uvicorn_server(create_app(cache, **kwargs), "127.0.0.1", 0, limits)
         thread = threading.Thread(target=server.run, daemon=True)
         thread.start()
-        deadline = time.monotonic() + 10
-        while not server.started:
-            assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
-            time.sleep(0.005)
+        wait_until(lambda: server.started or not thread.is_alive(), 10, "uvicorn started")
+        assert server.started, "uvicorn's thread ended before it started"
         port = server.servers[0].sockets[0].getsockname()[1]
         url = f"http://127.0.0.1:{port}"
         client = httpx.Client(base_url=url, timeout=10)

@@ -8,7 +8,6 @@ import subprocess
 import sys
 import textwrap
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -23,7 +22,7 @@ from lmcache_svc.keys import chunk_hashes
 from lmcache_svc.v1 import cache_pb2 as pb
 from lmcache_svc.v1 import cache_pb2_grpc as pb_grpc
 from lmcache_svc_bench.procs import ServerProc, start_server
-from tests.helpers import make_chunk, make_namespace
+from tests.helpers import make_chunk, make_namespace, wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -124,9 +123,8 @@ def test_a_client_killed_mid_store_gives_its_slots_back(server: ServerProc) -> N
     )
     assert proc.returncode == -signal.SIGKILL and proc.stdout.strip() == "10"
     with CacheClient(server.socket) as c:
-        deadline = time.monotonic() + 10
-        while (stats := c.stats())["pending_stores"] and time.monotonic() < deadline:
-            time.sleep(0.05)
+        wait_until(lambda: c.stats()["pending_stores"] == 0, 10, "the dead writer's slots back")
+        stats = c.stats()
         assert stats["pending_stores"] == 0
         assert stats["tiers"][0]["used_bytes"] == 0
 

@@ -7,7 +7,6 @@ import os
 import socket
 import struct
 import threading
-import time
 import tracemalloc
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -23,6 +22,7 @@ from lmcache_svc.server.memories.store import MemoryStore
 from lmcache_svc.v1 import cache_pb2 as pb
 from lmcache_svc.v1 import cache_pb2_grpc as pb_grpc
 from lmcache_svc.wire import channel_options
+from tests.helpers import wait_until
 from tests.server.inprocess import InProcessServer
 from tests.server.inprocess import serve as serve  # the fixture
 from tests.server.memories.blobs import make_memory, memory_id_of
@@ -121,14 +121,22 @@ def test_rest_reads_beyond_the_cap_are_429_until_one_ends(on_disk: App) -> None:
         for s, c in zip(streams, held):
             s.__exit__(None, None, None)
             c.close()
-    deadline = time.monotonic() + 30  # the server notices the closed connections
-    while (r := on_disk.client.get(url)).status_code == 429:
-        assert time.monotonic() < deadline, "the transfers were never given back"
-        time.sleep(0.05)
+    # the server notices the closed connections
+    wait_until(lambda: on_disk.client.get(url).status_code != 429, 30, "the transfers given back")
+    r = on_disk.client.get(url)
     assert r.status_code == 200 and r.content == blob
 
 
 # -- gRPC ----------------------------------------------------------------------------------
+
+
+def _read_unless_busy(client: CacheClient, memory_id: str) -> bool:
+    """Whether a read of ``memory_id`` got a transfer slot (False: ``TooBusy``)."""
+    try:
+        client.get_memory(memory_id)
+    except errors.TooBusy:
+        return False
+    return True
 
 
 @pytest.fixture
@@ -189,14 +197,8 @@ def test_grpc_reads_beyond_the_cap_are_resource_exhausted(
             client.get_memory(mid)
         for call in calls:
             call.cancel()
-    deadline = time.monotonic() + 30
-    while True:
-        try:
-            assert client.get_memory(mid) == blob
-            break
-        except errors.TooBusy:
-            assert time.monotonic() < deadline, "the cancelled reads never gave their slots back"
-            time.sleep(0.05)
+    wait_until(lambda: _read_unless_busy(client, mid), 30, "the cancelled reads' slots back")
+    assert client.get_memory(mid) == blob
 
 
 def test_grpc_list_memories_runs_off_the_event_loop(

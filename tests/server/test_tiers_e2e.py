@@ -10,7 +10,7 @@ import httpx
 from lmcache_svc.client import CacheClient
 from lmcache_svc.keys import chunk_hashes
 from lmcache_svc_bench.procs import start_server
-from tests.helpers import make_chunk
+from tests.helpers import make_chunk, wait_until
 from tests.server.test_grpc import CHUNK, NS
 
 CHUNKS = 24  # 24 x 64 KiB into a 1 MiB arena: the oldest chunks are evicted
@@ -66,9 +66,9 @@ def test_two_servers_share_chunks_through_redis(tmp_path: Path, redis_server) ->
             ca.store(ca.register_namespace(NS), hashes, [make_chunk(i, CHUNK) for i in range(4)])
         with CacheClient(b.socket) as cb:
             ns_id = cb.register_namespace(NS)
-            deadline = time.monotonic() + 10  # write-through is asynchronous
-            while cb.lookup(ns_id, hashes).num_hit_chunks < 4 and time.monotonic() < deadline:
-                time.sleep(0.05)
+            wait_until(  # write-through is asynchronous
+                lambda: cb.lookup(ns_id, hashes).num_hit_chunks == 4, 10, "a's chunks in Redis"
+            )
             remote = cb.lookup(ns_id, hashes)
             assert remote.tiers == ["redis"] * 4 and remote.media == ["remote"] * 4
             assert cb.load(ns_id, hashes) == [make_chunk(i, CHUNK) for i in range(4)]
