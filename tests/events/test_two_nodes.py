@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import secrets
 import shutil
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import pytest
+import redis
 from redis.cluster import RedisCluster
 
 from lmcache_svc.cache import TieredCache
@@ -35,7 +35,7 @@ from lmcache_svc_bench.redis_procs import (
     start_redis_cluster,
 )
 from tests.events.streams import Subscriber
-from tests.helpers import make_chunk, make_layout, make_namespace
+from tests.helpers import make_chunk, make_layout, make_namespace, wait_until
 
 NS = make_namespace(chunk_size=16, layout=make_layout(block_size=16))
 CHUNK = NS.chunk_bytes
@@ -84,12 +84,26 @@ def make_node(name: str, url: str, prefix: str, tmp: Path) -> Node:
     return Node(cache, events, sub)
 
 
+def num_subscribers(cluster: RedisClusterProcs, channel: bytes) -> int:
+    """Subscribers of ``channel`` over every node of ``cluster`` (PUBSUB NUMSUB)."""
+    total = 0
+    for node in cluster.nodes:
+        with redis.Redis.from_url(node.url) as client:
+            total += sum(int(n) for _, n in client.pubsub_numsub(channel))
+    return total
+
+
 @pytest.fixture
 def nodes(cluster: RedisClusterProcs, tmp_path: Path) -> Iterator[tuple[Node, Node]]:
     prefix = f"two-nodes-{secrets.token_hex(4)}:"
     a = make_node("a", cluster.url, prefix, tmp_path)
     b = make_node("b", cluster.url, prefix, tmp_path)
-    time.sleep(0.5)  # the channel's subscriptions are up (Redis pub/sub keeps no backlog)
+    # Redis pub/sub keeps no backlog: wait for both nodes' channel subscriptions
+    wait_until(
+        lambda: num_subscribers(cluster, f"{prefix}events".encode()) == 2,
+        30,
+        "both nodes subscribed to the announce channel",
+    )
     yield a, b
     a.close()
     b.close()

@@ -15,7 +15,7 @@ import pytest
 from lmcache_svc.server.http.api import DEFAULT_MAX_JSON_BYTES
 from lmcache_svc.server.http.models import KeysRequest
 from lmcache_svc.server.http.server import ConnectionLimits
-from tests.helpers import CHUNK_BYTES, make_chunk, make_namespace
+from tests.helpers import CHUNK_BYTES, make_chunk, make_namespace, wait_until
 from tests.server.rest import Served
 from tests.server.test_http import _connect, _read_response, assert_error
 
@@ -172,7 +172,6 @@ def test_connection_limit_answers_503_beyond_it(serve_http: Callable[..., Served
     for sock in held:
         sock.close()
     third.close()
-    deadline = time.monotonic() + 30
-    while served.client.get("/healthz").status_code != 200:  # the server saw them close
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
+    wait_until(  # the server saw them close
+        lambda: served.client.get("/healthz").status_code == 200, 30, "the connections' slots back"
+    )

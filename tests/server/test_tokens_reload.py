@@ -19,16 +19,9 @@ from lmcache_svc.client import CacheClient
 from lmcache_svc.server import tokens
 from lmcache_svc.server.tokens import Authenticator
 from lmcache_svc_bench.procs import ServerProc, start_server
-from tests.helpers import make_namespace
+from tests.helpers import make_namespace, wait_until
 from tests.server.test_tenants import ACME, ADMIN, BOB, TOKENS, _rewrite
 from tests.server.test_tenants import tokens_file as tokens_file  # the fixture
-
-
-def wait_until(condition: Callable[[], bool], what: str, timeout_s: float = 30) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.01)
 
 
 def _non_utf8(path: Path) -> None:
@@ -74,12 +67,17 @@ def test_every_broken_file_keeps_the_previous_tokens_and_is_logged_once(
                 auth.authenticate(f"Bearer {ACME}").tenant == "acme"
                 and "keeping the previous tokens" in caplog.text
             ),
-            "the broken file was never reported",
+            30,
+            "the broken file reported",
         )
         for _ in range(200):  # more requests: the same tokens, no new log line
             assert auth.authenticate(f"Bearer {BOB}").tenant == "bob"
         auth.request_reload()  # a SIGHUP on the same broken file is reported again: once
-        wait_until(lambda: caplog.text.count("keeping the previous tokens") == 2, "no report")
+        wait_until(
+            lambda: caplog.text.count("keeping the previous tokens") == 2,
+            30,
+            "the second report of the bad file",
+        )
         for _ in range(50):
             assert auth.authenticate(f"Bearer {ADMIN}").admin
     assert caplog.text.count("keeping the previous tokens") == 2, caplog.text
@@ -108,7 +106,7 @@ def test_reloads_run_off_the_callers_thread_and_a_burst_costs_two(
     assert len(calls) == 1 and calls[0] != threading.current_thread().name
     assert auth.authenticate(f"Bearer {ACME}").tenant == "acme"  # served meanwhile
     release.set()
-    wait_until(lambda: auth.reloads == 2, "the pending reload did not run")
+    wait_until(lambda: auth.reloads == 2, 30, "the pending reload")
     time.sleep(0.2)  # nothing else is coming: no third reload starts
     assert len(calls) == 2 and auth.reloads == 2
 
@@ -135,7 +133,11 @@ def test_sighups_never_stop_the_server_answering(
         for _ in range(10):  # a lookup right after each SIGHUP, within its 2 s deadline
             os.kill(server.proc.pid, signal.SIGHUP)
             assert client.lookup(ns.namespace_id, [b"\x01" * 32]).num_hit_chunks == 0
-    wait_until(lambda: "loaded: 5004 tokens" in server.log_path.read_text(), "no reload ran")
+    wait_until(
+        lambda: "loaded: 5004 tokens" in server.log_path.read_text(),
+        30,
+        "a reload of the 5004 tokens",
+    )
 
 
 def test_a_revoked_tokens_sessions_end_and_give_back_what_they_held(
@@ -152,7 +154,7 @@ def test_a_revoked_tokens_sessions_end_and_give_back_what_they_held(
         assert admin.stats()["pending_stores"] == 2
         _rewrite(path, path.read_text().replace(f"token: {ACME}", "token: acme-rotated-000001"))
         os.kill(server.proc.pid, signal.SIGHUP)
-        wait_until(lambda: admin.stats()["pending_stores"] == 0, "the reservations stayed")
+        wait_until(lambda: admin.stats()["pending_stores"] == 0, 30, "the reservations given back")
         with pytest.raises(errors.Unauthenticated):
             victim.prepare_store(ns.namespace_id, hashes[2:])
         victim.close()

@@ -22,6 +22,7 @@ from lmcache_svc_vllm.link import Reservation, ServerLink
 from lmcache_svc.client import CacheClient
 from lmcache_svc.keys import KVLayout, Namespace, chunk_hashes
 from lmcache_svc_bench.procs import start_server
+from tests.helpers import wait_until
 
 NAMESPACE = Namespace(
     model="link-test",
@@ -76,11 +77,16 @@ def test_outage_backs_off_and_stays_on_shared_memory(
 
 def _reserve_when_up(link: ServerLink) -> Reservation:
     """The first calls (connect, map the segment) may outlast the short test deadline."""
-    deadline = time.monotonic() + 20
-    while (reservation := link.reserve(HASHES, NAMESPACE.chunk_bytes)) is None:
-        assert time.monotonic() < deadline, "the healthy server never took a reservation"
-        time.sleep(0.05)
-    return reservation
+    reservations: list[Reservation] = []
+
+    def reserved() -> bool:
+        reservation = link.reserve(HASHES, NAMESPACE.chunk_bytes)
+        if reservation is not None:
+            reservations.append(reservation)
+        return reservation is not None
+
+    wait_until(reserved, 20, "a reservation on the healthy server")
+    return reservations[0]
 
 
 def _count_calls(
@@ -114,10 +120,7 @@ def test_stores_after_the_first_take_slots_reserved_ahead(
         assert link.publish(first) == 2
         pool = link._pool
         assert pool is not None
-        deadline = time.monotonic() + 20
-        while pool.num_slots < 2:
-            assert time.monotonic() < deadline, "the pool was not refilled"
-            time.sleep(0.01)
+        wait_until(lambda: pool.num_slots >= 2, 20, "the pool refilled")
 
         tries = {"prepare_store": 0}
         _count_calls(monkeypatch, link._client, "prepare_store", tries)
@@ -137,9 +140,8 @@ def test_stores_after_the_first_take_slots_reserved_ahead(
         link.close()
     try:
         with CacheClient(server.socket) as client:
-            deadline = time.monotonic() + 20
-            while client.stats()["pending_stores"]:
-                assert time.monotonic() < deadline, "pooled slots outlived the link"
-                time.sleep(0.05)
+            wait_until(
+                lambda: client.stats()["pending_stores"] == 0, 20, "the link's pooled slots back"
+            )
     finally:
         server.cleanup()
