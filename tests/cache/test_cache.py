@@ -11,41 +11,18 @@ import pytest
 
 from lmcache_svc.cache import TieredCache
 from lmcache_svc.cache.settings import CacheSettings
-from lmcache_svc.cache.values import TierPolicy
 from lmcache_svc.errors import InvalidArgument, PayloadTooLarge, SizeMismatch, UnknownNamespace
 from lmcache_svc.keys import make_chunk_keys
-from lmcache_svc.shm.arena import Arena
-from lmcache_svc.tiers.cpu import CpuTier
-from lmcache_svc.tiers.ssd import SsdTier
+from tests.caches import CacheFactory
 from tests.helpers import make_chunk, make_hash, make_namespace
 
 CHUNK = 64 * 1024  # bytes of one chunk in the test namespace
 
 
 @pytest.fixture
-def cache_factory(tmp_path: Path) -> Iterator:
-    made: list[TieredCache] = []
-
-    def make(
-        num_chunks: int = 4,
-        *,
-        ssd_chunks: int | None = None,
-        write_through: bool = False,
-        settings: CacheSettings | None = None,
-    ) -> TieredCache:
-        arena = Arena.create(num_chunks * CHUNK, slab_bytes=CHUNK, prefault="off")
-        lower = []
-        if ssd_chunks is not None:
-            ssd = SsdTier(tmp_path / f"ssd{len(made)}", ssd_chunks * (CHUNK + 4096))
-            lower.append((ssd, TierPolicy(accept_demotions=True, write_through=write_through)))
-        cache = TieredCache(CpuTier(arena), lower, settings=settings)
-        cache.register_namespace(make_namespace(chunk_size=256))
-        made.append(cache)
-        return cache
-
-    yield make
-    for cache in made:
-        cache.close()
+def cache_factory(tmp_path: Path) -> Iterator[CacheFactory]:
+    with CacheFactory(CHUNK, [make_namespace(chunk_size=256)], tmp_path) as factory:
+        yield factory
 
 
 NS = make_namespace(chunk_size=256).namespace_id

@@ -9,27 +9,21 @@ from __future__ import annotations
 
 import hashlib
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import pytest
 
 from lmcache_svc.cache import TieredCache
-from lmcache_svc.cache.settings import CacheSettings
 from lmcache_svc.errors import LeaseLimit, ReservationLimit
-from lmcache_svc.keys import KVLayout, Namespace
-from lmcache_svc.shm.arena import Arena
-from lmcache_svc.tiers.cpu import CpuTier
+from lmcache_svc.keys import Namespace
+from tests.caches import CacheFactory
+from tests.helpers import make_namespace
 
-LAYOUT = KVLayout(
-    "uint8", num_layers=1, num_kv_heads=1, head_size=128, block_size=16, page_layout="test"
-)
-ACME = Namespace(model="m", layout=LAYOUT, chunk_size=256, tenant="acme")
-ACME2 = Namespace(model="m2", layout=LAYOUT, chunk_size=256, tenant="acme")
-GLOBEX = Namespace(model="m", layout=LAYOUT, chunk_size=256, tenant="globex")
+ACME = make_namespace(model="m", chunk_size=256, tenant="acme")
+ACME2 = make_namespace(model="m2", chunk_size=256, tenant="acme")
+GLOBEX = make_namespace(model="m", chunk_size=256, tenant="globex")
 CHUNK = ACME.chunk_bytes
 FOREVER = float("inf")
-
-MakeCache = Callable[..., TieredCache]
 
 
 def hashes(name: str, num: int) -> list[bytes]:
@@ -37,20 +31,9 @@ def hashes(name: str, num: int) -> list[bytes]:
 
 
 @pytest.fixture
-def make_cache() -> Iterator[MakeCache]:
-    made: list[TieredCache] = []
-
-    def make(num_chunks: int, **settings: float) -> TieredCache:
-        arena = Arena.create(num_chunks * CHUNK, slab_bytes=CHUNK, prefault="off")
-        cache = TieredCache(CpuTier(arena), settings=CacheSettings(**settings))
-        for ns in (ACME, ACME2, GLOBEX):
-            cache.register_namespace(ns)
-        made.append(cache)
-        return cache
-
-    yield make
-    for cache in made:
-        cache.close()
+def make_cache() -> Iterator[CacheFactory]:
+    with CacheFactory(CHUNK, [ACME, ACME2, GLOBEX]) as factory:
+        yield factory
 
 
 def reserve(cache: TieredCache, ns: Namespace, session: str, name: str, num: int) -> int:
@@ -58,7 +41,7 @@ def reserve(cache: TieredCache, ns: Namespace, session: str, name: str, num: int
     return sum(p.status == "reserved" for p in prepared)
 
 
-def test_many_sessions_of_one_tenant_hold_at_most_its_share(make_cache: MakeCache) -> None:
+def test_many_sessions_of_one_tenant_hold_at_most_its_share(make_cache: CacheFactory) -> None:
     cache = make_cache(20, max_reserved_fraction=0.5, max_tenant_reserved_fraction=0.5)
     sessions = [cache.open_session() for _ in range(3)]
     assert reserve(cache, ACME, sessions[0], "a", 6) == 6  # 6 of 20 chunks
@@ -68,7 +51,7 @@ def test_many_sessions_of_one_tenant_hold_at_most_its_share(make_cache: MakeCach
     assert reserve(cache, GLOBEX, cache.open_session(), "g", 10) == 10  # another tenant's room
 
 
-def test_a_thousand_one_chunk_sessions_do_not_take_the_arena(make_cache: MakeCache) -> None:
+def test_a_thousand_one_chunk_sessions_do_not_take_the_arena(make_cache: CacheFactory) -> None:
     cache = make_cache(16, max_tenant_reserved_fraction=0.25)
     held = 0
     for i in range(1000):
@@ -81,7 +64,7 @@ def test_a_thousand_one_chunk_sessions_do_not_take_the_arena(make_cache: MakeCac
 
 
 def test_quarantined_reservations_count_against_the_tenant_until_reclaimed(
-    make_cache: MakeCache,
+    make_cache: CacheFactory,
 ) -> None:
     cache = make_cache(8, max_reserved_fraction=0.5, max_tenant_reserved_fraction=0.5)
     a, b = cache.open_session(), cache.open_session()
@@ -95,14 +78,14 @@ def test_quarantined_reservations_count_against_the_tenant_until_reclaimed(
     assert reserve(cache, ACME, cache.open_session(), "c", 4) == 4
 
 
-def test_a_tenant_holding_nothing_may_always_reserve_one_chunk(make_cache: MakeCache) -> None:
+def test_a_tenant_holding_nothing_may_always_reserve_one_chunk(make_cache: CacheFactory) -> None:
     cache = make_cache(4, max_tenant_reserved_fraction=0.01)
     assert reserve(cache, ACME, cache.open_session(), "a", 1) == 1
     with pytest.raises(ReservationLimit):
         reserve(cache, ACME, cache.open_session(), "b", 1)
 
 
-def test_concurrent_sessions_never_exceed_the_tenants_share(make_cache: MakeCache) -> None:
+def test_concurrent_sessions_never_exceed_the_tenants_share(make_cache: CacheFactory) -> None:
     cache = make_cache(64, max_tenant_reserved_fraction=0.25)
     got: list[int] = []
     barrier = threading.Barrier(8)
@@ -131,7 +114,7 @@ def stored(cache: TieredCache, ns: Namespace, name: str, num: int) -> list[bytes
     return hs
 
 
-def test_session_less_leases_are_capped_per_tenant(make_cache: MakeCache) -> None:
+def test_session_less_leases_are_capped_per_tenant(make_cache: CacheFactory) -> None:
     cache = make_cache(64, max_tenant_leases=8, max_tenant_leased_chunks=1000)
     hs = stored(cache, ACME, "x", 4)
     leases = [cache.prepare_load(ACME.namespace_id, hs).lease_id for _ in range(4)]
@@ -151,7 +134,7 @@ def test_session_less_leases_are_capped_per_tenant(make_cache: MakeCache) -> Non
     assert cache.prepare_load(ACME.namespace_id, hs, session_id=cache.open_session()).lease_id
 
 
-def test_leased_chunks_are_capped_per_tenant(make_cache: MakeCache) -> None:
+def test_leased_chunks_are_capped_per_tenant(make_cache: CacheFactory) -> None:
     cache = make_cache(64, max_tenant_leases=1000, max_tenant_leased_chunks=40)
     hs = stored(cache, ACME, "x", 8)
     session = cache.open_session()
@@ -175,7 +158,7 @@ def test_leased_chunks_are_capped_per_tenant(make_cache: MakeCache) -> None:
     assert cache.prepare_load(ACME.namespace_id, hs[:6], session_id=session).lease_id  # 40
 
 
-def test_expired_leases_give_their_quota_back(make_cache: MakeCache) -> None:
+def test_expired_leases_give_their_quota_back(make_cache: CacheFactory) -> None:
     cache = make_cache(16, max_tenant_leases=2, max_tenant_leased_chunks=100)
     hs = stored(cache, ACME, "x", 2)
     assert cache.prepare_load(ACME.namespace_id, hs, ttl_s=1).lease_id
