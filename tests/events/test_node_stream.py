@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -23,7 +24,7 @@ from lmcache_svc.shm.arena import Arena
 from lmcache_svc.tiers.cpu import CpuTier
 from lmcache_svc.tiers.ssd import SsdTier
 from tests.events.streams import Subscriber, replay, request
-from tests.helpers import make_chunk, make_layout, make_namespace
+from tests.helpers import make_chunk, make_layout, make_namespace, wait_until
 
 CHUNK_TOKENS = 32  # two 16-token blocks per chunk
 NS = make_namespace(chunk_size=CHUNK_TOKENS, layout=make_layout(block_size=16))
@@ -163,14 +164,17 @@ def test_a_subscriber_that_never_reads_loses_only_what_the_replay_covers(tmp_pat
     stuck.drain(200)
     try:
         cache.register_namespace(big)
-        deadline = time.monotonic() + 20
+
+        last: list[Any] = []  # the replay of everything, as of the latest look
+
+        def published(num: int) -> bool:
+            last[:] = replay(settings.replay_endpoint, 0)
+            return len(stored([e for r in last for e in r.batch.events], "CPU")) == num
+
         for seed in range(40):  # forty batches while one subscriber reads nothing
             store(cache, np.random.default_rng(seed).integers(0, 50_000, 4096), big)
-            while True:  # this store is numbered and sent: the next one is another batch
-                last = replay(settings.replay_endpoint, 0)
-                if len(stored([e for r in last for e in r.batch.events], "CPU")) == seed + 1:
-                    break
-                assert time.monotonic() < deadline, "the stores were never all published"
+            # this store is numbered and sent: the next one is another batch
+            wait_until(partial(published, seed + 1), 20, f"store {seed} published")
         got = stuck.drain(200)
         seqs = [r.seq for r in got]
         assert last[-1].seq >= max(seqs)

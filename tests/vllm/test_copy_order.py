@@ -11,7 +11,6 @@ the stream names it.
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -25,6 +24,7 @@ from lmcache_svc_vllm.mover import LayerEvents, PageMover
 from lmcache_svc_vllm.worker import WorkerSide
 
 from lmcache_svc_bench.procs import ServerProc
+from tests.helpers import wait_until
 from tests.vllm.recording_stream import RecordingStream
 from tests.vllm.test_worker_side import HASHES, LAYERS, clear_server, make_worker, wait_stored
 from tests.vllm.test_worker_side import server as server  # the fixture
@@ -74,13 +74,6 @@ def held_release(monkeypatch: pytest.MonkeyPatch) -> Iterator[threading.Event]:
     go.set()
 
 
-def wait_until(condition: Callable[[], bool], what: str) -> None:
-    deadline = time.monotonic() + 10
-    while not condition():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.005)
-
-
 def save_step(worker: WorkerSide, layers: list[torch.Tensor], stream: RecordingStream) -> None:
     """One step of the CUDA flow: each layer is written by the forward pass, then saved as
     soon as it ran (``save_layer``); ``wait_for_save`` copies what is left and commits."""
@@ -117,7 +110,7 @@ def test_the_workers_copy_path_keeps_every_order(
         dst.wait_for_layer(layer_name(i))
         loads.use_layer(kv)
     held_release.set()
-    wait_until(lambda: loads.num_releases == 1, "the lease was never released")
+    wait_until(lambda: loads.num_releases == 1, 10, "the lease released")
     assert saves.violations == [] and loads.violations == [], loads.log
     assert loads.num_layer_uses == LAYERS
     assert all(torch.equal(d[7], s[4]) for s, d in zip(src_layers, dst_layers))
@@ -151,7 +144,7 @@ def test_a_lease_released_before_its_copies_completed_is_caught(
     dst, _, loads = recorded(server.socket, seed=2)
     dst.bind(LOAD)
     dst.start_load(LOAD)
-    wait_until(lambda: loads.num_releases == 1, "the lease was never released")
+    wait_until(lambda: loads.num_releases == 1, 10, "the lease released")
     assert len(loads.violations) == 1
     assert loads.violations[0].startswith("a lease was released before its copies completed")
 
@@ -170,7 +163,7 @@ def test_slots_committed_before_their_copies_finished_are_caught(
     src, _, saves = recorded(server.socket, seed=1)
     src.bind(SAVE)
     src.wait_for_save(SAVE)
-    wait_until(lambda: saves.num_publishes == 1, "the slots were never committed")
+    wait_until(lambda: saves.num_publishes == 1, 10, "the slots committed")
     assert len(saves.violations) == 1
     assert saves.violations[0].startswith("slots were committed before their copies completed")
 
