@@ -78,8 +78,9 @@ def wait_until(predicate: Callable[[], object], timeout_s: float, what: str) -> 
 
 
 def count_calls(monkeypatch: pytest.MonkeyPatch, owner: object, name: str) -> list[tuple]:
-    """Record each call of ``owner.name`` (a class's method or a module's function; each call
-    still runs): one entry per call, its positional arguments after ``self``."""
+    """Record each call of ``owner.name`` (a class's method, an object's bound method or a
+    module's function; each call still runs): one entry per call, its positional arguments
+    (after ``self`` for a class's method)."""
     calls: list[tuple] = []
     target = getattr(owner, name)
     is_method = isinstance(owner, type)
