@@ -311,6 +311,10 @@ def test_prometheus_has_every_target_up(stack: ds.Stack) -> None:
 def test_every_dashboard_query_returns_data(stack: ds.Stack) -> None:
     """After the vLLM traffic above, the cache traffic vLLM does not cause (evictions,
     lower tiers, expiries, errors, a Redis outage), through the published ports."""
+    # New prompts, so the running engine saves chunks after Prometheus scraped it: the hit
+    # test's last prompt only loaded, and the plugin's save-latency panel once had no data.
+    for seed in range(2):
+        complete(stack, text_of([5 + (seed * 104729 + i * 7919) % 1021 for i in range(300)]))
     ds.drive_cache(stack)
     ds.redis_outage(stack)
     queries = dash.queries(dash.load())
