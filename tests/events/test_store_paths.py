@@ -80,7 +80,7 @@ def test_an_inline_grpc_put_is_announced(serve, events) -> None:  # noqa: F811
     for h, p, t in zip(hashes, parents, tokens):
         described.add(h, p, np.asarray(t, "<u4").tobytes())
     items = [(h, make_chunk(h.hex(), CHUNK)) for h in hashes]
-    with CacheClient(server.socket, use_shm=False) as client:
+    with CacheClient(server.socket, timeout_s=30, use_shm=False) as client:
         assert client.put(NS.namespace_id, items, described=described) == 2
         check_announced(sub, hashes, tokens)
         wrong = ChunkTokens()
