@@ -361,11 +361,18 @@ class CacheClient(MemoryCalls):
         finally:
             self.release_load(lease)
 
-    def put(self, namespace_id: bytes, items: Sequence[tuple[bytes, Any]]) -> int:
-        """Inline store (streamed); returns the chunks stored (or already stored)."""
+    def put(
+        self,
+        namespace_id: bytes,
+        items: Sequence[tuple[bytes, Any]],
+        *,
+        described: ChunkTokens | None = None,
+    ) -> int:
+        """Inline store (streamed); returns the chunks stored (or already stored).
+        ``described``: the chunks' token ids and parents, for the server's KV events."""
         try:
             resp = self._stub.Put(
-                put_parts(namespace_id, items),
+                put_parts(namespace_id, items, described),
                 timeout=self._bulk_timeout(items),
                 metadata=self._metadata,
             )

@@ -13,6 +13,7 @@ from google.protobuf.message import Message
 
 from lmcache_svc import errors
 from lmcache_svc.client.defaults import default_socket_path
+from lmcache_svc.client.events import ChunkTokens
 from lmcache_svc.results import StoreStatus
 from lmcache_svc.shm.arena import ArenaMapping
 from lmcache_svc.v1 import cache_pb2 as pb
@@ -93,14 +94,19 @@ def convert_rpc_error(error: grpc.RpcError) -> errors.LMCacheSvcError:
     return errors.LMCacheSvcError(f"{code.name}: {details}")
 
 
-def put_parts(namespace_id: bytes, items: Sequence[tuple[bytes, Any]]) -> Iterator[pb.ChunkPart]:
+def put_parts(
+    namespace_id: bytes,
+    items: Sequence[tuple[bytes, Any]],
+    described: ChunkTokens | None = None,
+) -> Iterator[pb.ChunkPart]:
+    """A Put stream; each chunk ``described`` carries its token ids and parent."""
     for chunk_hash, data in items:
         view = memoryview(data).cast("B")
-        yield pb.ChunkPart(
-            header=pb.ChunkHeader(
-                namespace_id=namespace_id, chunk_hash=chunk_hash, length=len(view)
-            )
-        )
+        header = pb.ChunkHeader(namespace_id=namespace_id, chunk_hash=chunk_hash, length=len(view))
+        tokens = described.items.get(bytes(chunk_hash)) if described is not None else None
+        if tokens is not None:
+            header.parent_hash, header.token_ids = tokens
+        yield pb.ChunkPart(header=header)
         for i in range(0, len(view), PIECE_BYTES):
             yield pb.ChunkPart(data=bytes(view[i : i + PIECE_BYTES]))
 

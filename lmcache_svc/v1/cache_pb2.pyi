@@ -254,18 +254,22 @@ class ReleaseLoadResponse(_message.Message):
     def __init__(self, released: _Optional[bool] = ...) -> None: ...
 
 class ChunkHeader(_message.Message):
-    __slots__ = ("namespace_id", "chunk_hash", "length", "found", "tier")
+    __slots__ = ("namespace_id", "chunk_hash", "length", "found", "tier", "token_ids", "parent_hash")
     NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
     CHUNK_HASH_FIELD_NUMBER: _ClassVar[int]
     LENGTH_FIELD_NUMBER: _ClassVar[int]
     FOUND_FIELD_NUMBER: _ClassVar[int]
     TIER_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    PARENT_HASH_FIELD_NUMBER: _ClassVar[int]
     namespace_id: bytes
     chunk_hash: bytes
     length: int
     found: bool
     tier: str
-    def __init__(self, namespace_id: _Optional[bytes] = ..., chunk_hash: _Optional[bytes] = ..., length: _Optional[int] = ..., found: _Optional[bool] = ..., tier: _Optional[str] = ...) -> None: ...
+    token_ids: bytes
+    parent_hash: bytes
+    def __init__(self, namespace_id: _Optional[bytes] = ..., chunk_hash: _Optional[bytes] = ..., length: _Optional[int] = ..., found: _Optional[bool] = ..., tier: _Optional[str] = ..., token_ids: _Optional[bytes] = ..., parent_hash: _Optional[bytes] = ...) -> None: ...
 
 class ChunkPart(_message.Message):
     __slots__ = ("header", "data")

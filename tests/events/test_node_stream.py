@@ -218,7 +218,7 @@ def test_a_subscriber_that_connects_late_still_hears_a_restart_while_nothing_is_
 def test_a_restarted_publisher_numbers_on_above_the_old_one() -> None:
     from lmcache_svc.server.events.publisher import EventLog
 
-    old = EventLog(buffer_steps=8, max_pending=8)
+    old = EventLog(buffer_steps=8, max_pending=8, resync=dict)
     old.add(b"t", [AllBlocksCleared()])
     last = old.flush()  # one batch: numbered with the start-up time itself
-    assert EventLog(buffer_steps=8, max_pending=8).next_seq > last
+    assert EventLog(buffer_steps=8, max_pending=8, resync=dict).next_seq > last

@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 from lmcache_svc.cache import TieredCache
+from lmcache_svc.cache.listener import ChunkListener
 from lmcache_svc.cache.settings import CacheSettings
 from lmcache_svc.keys import KVLayout, Namespace
 from lmcache_svc.server.grpc.cache_service import build_grpc_server
@@ -38,9 +39,10 @@ class InProcessServer:
         num_chunks: int,
         settings: CacheSettings,
         memories: MemoryStore | None = None,
+        listener: ChunkListener | None = None,
     ) -> None:
         arena = Arena.create(num_chunks * CHUNK, slab_bytes=CHUNK, prefault="off")
-        self.cache = TieredCache(CpuTier(arena), settings=settings)
+        self.cache = TieredCache(CpuTier(arena), settings=settings, listener=listener)
         self.cache.register_namespace(NS)
         self.cache.start()
         self.memories = memories
@@ -81,12 +83,15 @@ def serve(tmp_path: Path) -> Iterator[Callable[..., InProcessServer]]:
     made: list[InProcessServer] = []
 
     def make(
-        num_chunks: int = 1, memories: MemoryStore | None = None, **settings: Any
+        num_chunks: int = 1,
+        memories: MemoryStore | None = None,
+        listener: ChunkListener | None = None,
+        **settings: Any,
     ) -> InProcessServer:
         settings.setdefault("high_watermark", 1.0)  # no background eviction of tiny arenas
         # and one tenant may reserve all of one (its share is tested in tests/cache/test_quotas.py)
         settings.setdefault("max_tenant_reserved_fraction", 1.0)
-        srv = InProcessServer(tmp_path, num_chunks, CacheSettings(**settings), memories)
+        srv = InProcessServer(tmp_path, num_chunks, CacheSettings(**settings), memories, listener)
         made.append(srv)
         return srv
 

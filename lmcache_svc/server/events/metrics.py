@@ -15,8 +15,9 @@ class EventMetrics:
         )
         self.dropped_events = Counter(
             "lmcache_svc_events_dropped",
-            "Events dropped because the queue to the publisher was full (events.max_pending);"
-            " each drop is followed by AllBlocksCleared and a full re-announcement",
+            "Events dropped because the queue to the publisher was full (events.max_pending),"
+            " or queued while a resync was due; replaced by AllBlocksCleared and a full"
+            " re-announcement",
             registry=registry,
         )
         self.dropped_batches = Counter(
@@ -26,7 +27,8 @@ class EventMetrics:
         )
         self.resyncs = Counter(
             "lmcache_svc_events_resyncs",
-            "Full re-announcements after dropped events",
+            "Overflows of the queue to the publisher, each answered by one full"
+            " re-announcement per topic",
             registry=registry,
         )
         self.unannounced = Counter(

@@ -22,7 +22,10 @@ Identity in the event (vLLM's fields):
 
 The first time a topic is used after start-up its stream begins with ``AllBlocksCleared``
 (a restarted server announces that what it published before is gone); the same happens,
-followed by a full re-announcement, when the pending queue overflowed (events dropped).
+followed by a full re-announcement, when the pending queue overflowed (events dropped): the
+publisher builds that resync once, on its own thread, from what is announced when it
+catches up (``_resync_locked``), so no removal is lost with the dropped queue and no store
+path pays for it.
 """
 
 from __future__ import annotations
@@ -102,7 +105,7 @@ class NodeEvents:
         self._topics: dict[bytes, NamespaceId] = {}
         self._views: dict[str, TierView | None] = {}
         self._announced: dict[str, set[ChunkKey]] = {}
-        self._log = EventLog(settings.buffer_steps, settings.max_pending)
+        self._log = EventLog(settings.buffer_steps, settings.max_pending, self._resync_locked)
         self._channel: RedisChannel | None = None
         self.publisher = ZmqPublisher(
             settings.endpoint,
@@ -301,17 +304,20 @@ class NodeEvents:
         return partial(_stored, key, meta, pub, view)  # built on the publisher's thread
 
     def _queue(self, topic: bytes, events: list[Pending]) -> None:
-        """Queue events (lock held); on overflow drop the queue and resync every topic."""
-        if self._log.add(topic, events):
-            self.publisher.wake()
-            return
-        dropped = self._log.drop_pending() + len(events)
-        self.metrics.dropped_events.inc(dropped)
-        log.warning("events: %d events dropped (queue full); resyncing subscribers", dropped)
-        for t in self._topics:
-            self._log.add(t, [AllBlocksCleared(), *self._announcement_locked(t)], force=True)
-        self.metrics.resyncs.inc()
+        """Queue events (lock held); on overflow the queue is dropped and a resync due."""
+        due = self._log.resync_due
+        dropped = self._log.add(topic, events)
+        if dropped:
+            self.metrics.dropped_events.inc(dropped)
+        if dropped and not due:
+            log.warning("events: %d events dropped (queue full); resyncing subscribers", dropped)
+            self.metrics.resyncs.inc()
         self.publisher.wake()
+
+    def _resync_locked(self) -> dict[bytes, list[Pending]]:
+        """What replaces a dropped queue: per topic, a clear and every chunk announced now
+        (built on the publisher's thread when it flushes, lock held)."""
+        return {t: [AllBlocksCleared(), *self._announcement_locked(t)] for t in self._topics}
 
     def close(self) -> None:
         if self._channel is not None:

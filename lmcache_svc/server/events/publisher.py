@@ -18,11 +18,15 @@ The replay socket (a ZMQ ROUTER) answers two requests:
   current sequence (8 bytes): a subscriber that sees another epoch knows the server
   restarted.
 
-Slow subscribers never slow the store path: callers only append to ``EventLog`` (bounded;
-past ``max_pending`` events the queue is dropped, counted, and the next batch starts with a
-resync: see ``node_stream.py``); the publisher thread sends with ZMQ's own per-subscriber
-high-water mark (a subscriber that does not read loses messages, sees the sequence jump
-and asks the replay socket).
+Slow subscribers never slow the store path: callers only append to ``EventLog``, which is
+bounded: an event that would take it past ``max_pending`` drops the queue instead (the owner
+counts the drop) and marks a resync due; until the publisher's next flush nothing more is
+queued, and that flush, on the publisher's thread, numbers one resync per topic (the
+owner's ``resync``: ``AllBlocksCleared`` and everything announced then, see
+``node_stream.py``) in place of what was dropped. vLLM's own publisher blocks the caller
+on a full queue instead; a store path must not wait for a subscriber. The publisher thread
+sends with ZMQ's own per-subscriber high-water mark (a subscriber that does not read
+loses messages, sees the sequence jump and asks the replay socket).
 """
 
 from __future__ import annotations
@@ -49,6 +53,8 @@ SUBSCRIPTION_POLL_S = 0.1
 """How often an idle publisher looks for new subscriptions."""
 SnapshotFn = Callable[[bytes], tuple[int, list[list[Pending]]]]
 """topic -> (sequence covered, batches of events)."""
+ResyncFn = Callable[[], dict[bytes, list[Pending]]]
+"""The events that replace a dropped queue, per topic (called under the owner's lock)."""
 
 
 @dataclass(slots=True)
@@ -77,7 +83,7 @@ class EventLog:
     owner (``NodeEvents``) calls it under its lock; the publisher's threads copy out of it
     under that same lock."""
 
-    def __init__(self, buffer_steps: int, max_pending: int) -> None:
+    def __init__(self, buffer_steps: int, max_pending: int, resync: ResyncFn) -> None:
         # Microseconds since the epoch: a restarted server goes on above where it stopped
         # (subscribers that drop batches older than the last they saw, as Dynamo's indexer
         # does, would otherwise ignore a restarted server until it caught up).
@@ -86,24 +92,36 @@ class EventLog:
         self.num_pending = 0
         self.max_pending = max_pending
         self.ring: deque[_Batch] = deque(maxlen=buffer_steps)
+        self._resync = resync
+        self.resync_due = False
 
-    def add(self, topic: bytes, events: list[Pending], *, force: bool = False) -> bool:
-        """Queue events; False (nothing queued) when that would exceed ``max_pending``
-        (unless ``force``: a resync after an overflow)."""
-        if not force and self.num_pending + len(events) > self.max_pending:
-            return False
+    @property
+    def ready(self) -> bool:
+        """Something to flush."""
+        return self.resync_due or self.num_pending > 0
+
+    def add(self, topic: bytes, events: list[Pending]) -> int:
+        """Queue events; the number of events dropped: 0 when queued, else the queue and
+        ``events`` (they would exceed ``max_pending``, or a resync is due), and a resync is
+        then due (it describes the state these events lead to)."""
+        if self.resync_due:
+            return len(events)
+        if self.num_pending + len(events) > self.max_pending:
+            num = self.num_pending + len(events)
+            self._pending.clear()
+            self.num_pending = 0
+            self.resync_due = True
+            return num
         self._pending.setdefault(topic, []).extend(events)
         self.num_pending += len(events)
-        return True
-
-    def drop_pending(self) -> int:
-        num, self.num_pending = self.num_pending, 0
-        self._pending.clear()
-        return num
+        return 0
 
     def flush(self) -> int:
-        """Number the pending events (one batch per topic); returns the last sequence
-        assigned (``next_seq - 1``)."""
+        """Number the pending events (one batch per topic), or the resync that replaces
+        them; returns the last sequence assigned (``next_seq - 1``)."""
+        if self.resync_due:
+            self._pending = self._resync()
+            self.resync_due = False
         ts = time.time()
         for topic, events in self._pending.items():
             self.ring.append(_Batch(self.next_seq, topic, ts, events))
@@ -176,9 +194,9 @@ class ZmqPublisher:
         while True:
             self._heard_subscriptions()
             with self._lock:
-                if not self._stop and not self._log.num_pending:
+                if not self._stop and not self._log.ready:
                     self._wake.wait(SUBSCRIPTION_POLL_S)
-                if not self._stop and not self._log.num_pending:
+                if not self._stop and not self._log.ready:
                     continue
             time.sleep(LINGER_S)  # let a store's other chunks join the batch
             with self._lock:

@@ -81,7 +81,10 @@ class InlineTransfers:
                 f"chunk header says {header.length} bytes; namespace {ns.namespace_id.hex()} "
                 f"stores chunks of exactly {ns.chunk_bytes} bytes"
             )
-        return _Upload(self._cache, header.namespace_id, check_chunk_hash(header.chunk_hash))
+        return _Upload(
+            self._cache, header.namespace_id, check_chunk_hash(header.chunk_hash),
+            token_ids=header.token_ids, parent_hash=header.parent_hash,
+        )  # fmt: skip
 
     async def get(
         self, request: pb.GetRequest, context: grpc.aio.ServicerContext
@@ -152,10 +155,22 @@ class _Upload:
     ``ReservationExpired`` and nothing is stored. An expired reservation's slot is
     quarantined by the cache, not reused, until this upload commits or aborts it, so a
     write racing with the expiry can only land in a slot no other chunk has.
+
+    ``token_ids`` and ``parent_hash`` (the header's, optional) describe the chunk for the KV
+    events and go with the commit, which checks them against the chunk hash.
     """
 
-    def __init__(self, cache: TieredCache, namespace_id: bytes, chunk_hash: bytes) -> None:
+    def __init__(
+        self,
+        cache: TieredCache,
+        namespace_id: bytes,
+        chunk_hash: bytes,
+        *,
+        token_ids: bytes = b"",
+        parent_hash: bytes = b"",
+    ) -> None:
         self._cache, self._ns_id, self._hash = cache, namespace_id, chunk_hash
+        self._token_ids, self._parent_hash = token_ids, parent_hash
         self._owner = f"put-{secrets.token_hex(8)}"
         self._ttl_s = cache.settings.reservation_ttl_s
         now = time.monotonic()
@@ -197,8 +212,13 @@ class _Upload:
                 f"chunk {self._hash.hex()} got {self._written} of its {self._size} bytes"
             )
         if self._view is not None:
+            # tokens that do not hash to the chunk raise here; the caller then aborts
+            committed = self._cache.commit_store(
+                self._ns_id, [self._hash], session_id=self._owner, token_ids=self._token_ids,
+                parent_hashes=[self._parent_hash] if self._token_ids else (),
+            )  # fmt: skip
             self._view = None
-            if not self._cache.commit_store(self._ns_id, [self._hash], session_id=self._owner):
+            if not committed:
                 raise self.expired_error("it was complete only after its deadline")
         if self.status == "no_space":
             counts.no_space += 1

@@ -5,10 +5,11 @@ chunk size before and while it is read."""
 
 from __future__ import annotations
 
+import struct
 from dataclasses import dataclass
 from typing import Annotated
 
-from fastapi import Depends, Path, Request, Response
+from fastapi import Depends, Header, Path, Request, Response
 from fastapi.responses import JSONResponse
 
 from lmcache_svc.errors import InvalidArgument, NoSpace, NotFound, PayloadTooLarge, SizeMismatch
@@ -34,6 +35,10 @@ from lmcache_svc.server.http.routing import (
 )
 
 TIER_HEADER = "X-LMCache-Tier"
+TOKENS_HEADER = "X-LMCache-Token-Ids"
+PARENT_HEADER = "X-LMCache-Parent-Hash"
+_TOKENS_PATTERN = r"^[0-9]+(,[0-9]+)*$"
+MAX_TOKEN_ID = 2**32 - 1
 _CHUNK_PATH = "/v1/chunks/{namespace_id}/{chunk_hash}"
 
 ROUTES = RouteTable()
@@ -94,6 +99,50 @@ async def _chunk_body(request: Request, state: State, target: Target) -> bytearr
     return body
 
 
+@dataclass(frozen=True, slots=True)
+class _Described:
+    """A stored chunk's token ids (little-endian uint32) and parent hash, for the KV events
+    (docs/events.md); no tokens: not described."""
+
+    token_ids: bytes
+    parent_hash: bytes
+
+
+def _described(
+    token_ids: Annotated[
+        str | None,
+        Header(
+            alias=TOKENS_HEADER,
+            description="the chunk's token ids, comma-separated (for the KV events)",
+            json_schema_extra={"pattern": _TOKENS_PATTERN},
+        ),
+    ] = None,
+    parent_hash: Annotated[
+        str | None,
+        Header(
+            alias=PARENT_HEADER,
+            description="the chunk before it, 64 hex characters (none for a sequence's first)",
+            json_schema_extra={"pattern": CHUNK_HASH_PATTERN},
+        ),
+    ] = None,
+) -> _Described:
+    if token_ids is None:
+        if parent_hash is not None:
+            raise InvalidArgument(f"{PARENT_HEADER} without {TOKENS_HEADER}")
+        return _Described(b"", b"")
+    try:
+        ids = [int(t) for t in token_ids.split(",")]
+    except ValueError:
+        raise InvalidArgument(f"{TOKENS_HEADER}: not a comma-separated list of token ids") from None
+    if any(not 0 <= t <= MAX_TOKEN_ID for t in ids):
+        raise InvalidArgument(f"{TOKENS_HEADER}: a token id out of 0..{MAX_TOKEN_ID}")
+    try:
+        parent = parse_chunk_hash(parent_hash) if parent_hash is not None else b""
+    except InvalidArgument as e:
+        raise InvalidArgument(f"{PARENT_HEADER}: {e}") from None
+    return _Described(struct.pack(f"<{len(ids)}I", *ids), parent)
+
+
 def _size_mismatch(ns: Namespace, got: str) -> SizeMismatch:
     return SizeMismatch(
         f"body is {got}; namespace {ns.namespace_id.hex()} stores chunks of exactly "
@@ -119,9 +168,13 @@ def put_chunk(
     state: State,
     target: Target,
     body: Annotated[bytearray, Depends(_chunk_body)],
+    described: Annotated[_Described, Depends(_described)],
 ) -> Response:
     ns_id = target.namespace.namespace_id
-    status = state.cache.put(ns_id, target.chunk_hash, body)
+    status = state.cache.put(
+        ns_id, target.chunk_hash, body, token_ids=described.token_ids,
+        parent_hash=described.parent_hash,
+    )  # fmt: skip
     if status == "no_space":
         raise NoSpace(
             f"no room for a {len(body)}-byte chunk: the first tier is full of "
