@@ -12,6 +12,8 @@ import pytest
 pytest.importorskip("torch", reason="the plugin needs torch (the [torch] extra)")
 from lmcache_svc_vllm.pinning import HostPinner, Part, address_of
 
+from tests.helpers import wait_until
+
 MiB = 1 << 20
 
 
@@ -86,6 +88,9 @@ def test_close_stops_pending_parts() -> None:
     pinner.add_range(1 << 40, 4096 * 100, read_only=False)
     closer = threading.Thread(target=pinner.close)
     closer.start()
+    # The gate opens only once close() has run: before, the worker could register several
+    # parts between the gate and the close (3 of them in one run).
+    wait_until(lambda: pinner.closed, 10, "close() to begin")
     gate.set()
     closer.join(10)
     assert not closer.is_alive()

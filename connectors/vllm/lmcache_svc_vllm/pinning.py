@@ -142,6 +142,12 @@ class HostPinner:
         with self._lock:
             return list(self._registered)
 
+    @property
+    def closed(self) -> bool:
+        """``close()`` was called: nothing more is registered."""
+        with self._lock:
+            return self._closed
+
     def close(self) -> None:
         """Stop registering and unregister every registered part (before unmapping)."""
         with self._lock:
