@@ -14,14 +14,19 @@ import time
 from pathlib import Path
 from typing import Literal
 
+import numpy as np
 import pytest
 from lmcache_svc_vllm.config import ConnectorConfig, Tuning
 from lmcache_svc_vllm.link import Reservation, ServerLink
 
 from lmcache_svc.client import CacheClient
+from lmcache_svc.client.events import ChunkTokens
 from lmcache_svc.keys import KVLayout, Namespace, chunk_hashes
 from lmcache_svc_bench.procs import start_server
-from tests.helpers import count_calls, wait_until
+from tests.events.test_store_paths import check_announced, events, prompt  # noqa: F401
+from tests.helpers import count_calls, make_chunk, wait_until
+from tests.server.inprocess import NS as INPROC_NS
+from tests.server.inprocess import serve  # noqa: F401 (a fixture)
 
 NAMESPACE = Namespace(
     model="link-test",
@@ -130,3 +135,25 @@ def test_stores_after_the_first_take_slots_reserved_ahead(
             )
     finally:
         server.cleanup()
+
+
+def test_inline_stores_carry_their_tokens_to_the_events(serve, events) -> None:  # noqa: F811
+    """Without shared memory (another host, ``use_shm: false``) the plugin's stores are
+    inline Puts: they carry the chunks' tokens, so they are announced like commits."""
+    node, sub = events
+    server = serve(num_chunks=4, listener=node)
+    config = ConnectorConfig(url=server.socket, use_shm=False, chunk_size=INPROC_NS.chunk_size)
+    link = ServerLink(config, INPROC_NS, "inline-events")
+    try:
+        assert link.register() is not None  # the server publishes this namespace
+        hashes, parents, tokens = prompt(5, 2)
+        reservation = link.reserve(hashes, INPROC_NS.chunk_bytes)
+        assert reservation is not None and reservation.inline
+        described = ChunkTokens()
+        for h, parent, part, buffer in zip(hashes, parents, tokens, reservation.buffers):
+            buffer[:] = make_chunk(h.hex(), INPROC_NS.chunk_bytes)
+            described.add(h, parent, np.asarray(part, "<u4").tobytes())
+        assert link.publish(reservation, described=described) == 2
+        check_announced(sub, hashes, tokens)
+    finally:
+        link.close()

@@ -217,7 +217,9 @@ class ServerLink:
             if abort:
                 return 0
             items = list(zip(reservation.hashes, reservation.buffers))
-            stored = self._guarded("put", lambda ns: self._client.put(ns, items))
+            stored = self._guarded(
+                "put", lambda ns: self._client.put(ns, items, described=described)
+            )
             return stored or 0
         num_pooled = len(reservation.pooled)
         pooled_hashes, prepared = reservation.hashes[:num_pooled], reservation.hashes[num_pooled:]
