@@ -110,14 +110,20 @@ def test_a_rest_put_is_announced(serve_http, events) -> None:  # noqa: F811
     check_announced(sub, hashes, tokens)
 
 
+def _ids(last: str) -> str:
+    """A chunk's worth of token ids, the last one ``last``."""
+    return ",".join(["1"] * (NS.chunk_size - 1) + [last])
+
+
 @pytest.mark.parametrize(
     ("headers", "message"),
     [
-        ({"X-LMCache-Token-Ids": "1,x"}, "not a comma-separated list"),
-        ({"X-LMCache-Token-Ids": "4294967296"}, "out of"),
+        ({"X-LMCache-Token-Ids": _ids("x")}, "not a comma-separated list"),
+        ({"X-LMCache-Token-Ids": _ids("4294967296")}, "out of"),
         ({"X-LMCache-Parent-Hash": "ab" * 32}, "without X-LMCache-Token-Ids"),
-        ({"X-LMCache-Token-Ids": "1", "X-LMCache-Parent-Hash": "zz"}, "X-LMCache-Parent-Hash"),
-        ({"X-LMCache-Token-Ids": "1,2"}, "token_ids holds 8 bytes"),
+        ({"X-LMCache-Token-Ids": _ids("1"), "X-LMCache-Parent-Hash": "zz"}, "Parent-Hash"),
+        ({"X-LMCache-Token-Ids": "1,2"}, f"2 token ids for a chunk of {NS.chunk_size}"),
+        ({"X-LMCache-Token-Ids": "1," * 5_000 + "1"}, "5001 token ids for a chunk"),
         ({"X-LMCache-Token-Ids": ",".join(["7"] * NS.chunk_size)}, "do not hash to it"),
     ],
 )

@@ -109,6 +109,7 @@ class _Described:
 
 
 def _described(
+    target: Target,
     token_ids: Annotated[
         str | None,
         Header(
@@ -130,6 +131,11 @@ def _described(
         if parent_hash is not None:
             raise InvalidArgument(f"{PARENT_HEADER} without {TOKENS_HEADER}")
         return _Described(b"", b"")
+    chunk_size = target.namespace.chunk_size
+    if token_ids.count(",") + 1 != chunk_size:  # before parsing: the header is not bounded
+        raise InvalidArgument(
+            f"{TOKENS_HEADER}: {token_ids.count(',') + 1} token ids for a chunk of {chunk_size}"
+        )
     try:
         ids = [int(t) for t in token_ids.split(",")]
     except ValueError:
@@ -167,8 +173,8 @@ def put_chunk(
     request: Request,
     state: State,
     target: Target,
+    described: Annotated[_Described, Depends(_described)],  # checked before the body is read
     body: Annotated[bytearray, Depends(_chunk_body)],
-    described: Annotated[_Described, Depends(_described)],
 ) -> Response:
     ns_id = target.namespace.namespace_id
     status = state.cache.put(
