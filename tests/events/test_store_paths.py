@@ -143,3 +143,29 @@ def test_a_rest_put_with_bad_tokens_is_refused(
     assert r.status_code == 400, r.text
     assert message in r.text
     assert cache.contains(NS.namespace_id, h) is None
+
+
+@pytest.mark.parametrize(
+    ("tokens", "parent", "message"),
+    [
+        (b"\0" * 8, b"", "token_ids holds 8 bytes"),
+        (b"", b"\1" * 32, "parent_hash without token_ids"),
+        (b"\0" * (4 * NS.chunk_size), b"\1" * 5, "parent_hash is 5 bytes"),
+    ],
+)
+def test_an_inline_put_with_a_malformed_description_is_refused_before_its_bytes(
+    serve,  # noqa: F811
+    tokens: bytes,
+    parent: bytes,
+    message: str,
+) -> None:
+    # No listener (events off): the shape is checked all the same, before a slot is taken.
+    server: InProcessServer = serve(num_chunks=4)
+    (h,), _, _ = prompt(6, 1)
+    described = ChunkTokens()
+    described.add(h, parent, tokens)
+    with CacheClient(server.socket, timeout_s=30, use_shm=False) as client:
+        with pytest.raises(InvalidArgument, match=message):
+            client.put(NS.namespace_id, [(h, make_chunk(6, CHUNK))], described=described)
+    assert server.cache.contains(NS.namespace_id, h) is None
+    assert server.cache.stats().pending_stores == 0

@@ -81,6 +81,7 @@ class InlineTransfers:
                 f"chunk header says {header.length} bytes; namespace {ns.namespace_id.hex()} "
                 f"stores chunks of exactly {ns.chunk_bytes} bytes"
             )
+        _check_description(header, ns.chunk_size)
         return _Upload(
             self._cache, header.namespace_id, check_chunk_hash(header.chunk_hash),
             token_ids=header.token_ids, parent_hash=header.parent_hash,
@@ -231,3 +232,19 @@ class _Upload:
         if self._view is not None:
             self._view = None
             self._cache.abort_store(self._ns_id, [self._hash], session_id=self._owner)
+
+
+def _check_description(header: pb.ChunkHeader, chunk_size: int) -> None:
+    """The tokens' shape, before a slot is reserved and the bytes streamed (whether they
+    hash to the chunk is checked at the commit, where events are on)."""
+    if header.token_ids and len(header.token_ids) != 4 * chunk_size:
+        raise InvalidArgument(
+            f"chunk header's token_ids holds {len(header.token_ids)} bytes; a chunk of "
+            f"{chunk_size} tokens takes {4 * chunk_size} (little-endian uint32)"
+        )
+    if header.parent_hash and not header.token_ids:
+        raise InvalidArgument("chunk header has a parent_hash without token_ids")
+    if header.parent_hash and len(header.parent_hash) != 32:
+        raise InvalidArgument(
+            f"chunk header's parent_hash is {len(header.parent_hash)} bytes, not 32"
+        )
