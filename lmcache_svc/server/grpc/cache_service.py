@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import logging
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
@@ -41,6 +42,8 @@ from lmcache_svc.wire import STORE_STATUS_CODES, channel_options, medium_to_pb, 
 T = TypeVar("T")
 
 SERVICE_NAME = "lmcache_svc.v1.CacheService"
+
+logger = logging.getLogger(__name__)
 
 
 class CacheServicer(pb_grpc.CacheServiceServicer):
@@ -149,6 +152,7 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
             cleanup = asyncio.ensure_future(
                 self._slots(self._cache.close_session, session_id, arena_only=True)
             )
+            cleanup.add_done_callback(_log_failed_cleanup)
             with contextlib.suppress(asyncio.CancelledError):
                 await asyncio.shield(cleanup)
 
@@ -341,3 +345,9 @@ async def set_serving(health_servicer: health.aio.HealthServicer, serving: bool)
     )
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, status)
+
+
+def _log_failed_cleanup(task: asyncio.Future[Any]) -> None:
+    """A session's cleanup that failed: logged (nobody awaits it once the server stops)."""
+    if not task.cancelled() and (error := task.exception()) is not None:
+        logger.error("giving back a closed session's slots failed", exc_info=error)
