@@ -24,8 +24,9 @@ The first time a topic is used after start-up its stream begins with ``AllBlocks
 (a restarted server announces that what it published before is gone); the same happens,
 followed by a full re-announcement, when the pending queue overflowed (events dropped): the
 publisher builds that resync once, on its own thread, from what is announced when it
-catches up (``_resync_locked``), so no removal is lost with the dropped queue and no store
-path pays for it.
+catches up (``_resync_locked``), so no removal is lost with the dropped queue. It is built
+under this stream's lock, which ``chunk_changed`` takes under the cache's: while it is built
+(once per overflow, in time proportional to what is announced) cache operations wait.
 """
 
 from __future__ import annotations
