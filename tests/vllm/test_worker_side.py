@@ -172,6 +172,9 @@ def test_a_dead_server_fails_loads_and_skips_saves(monkeypatch: pytest.MonkeyPat
     outages = count_calls(monkeypatch, ServerLink, "_mark_down")
     worker, layers = make_worker("/nonexistent/lmcache.sock", True, seed=7, retry_interval_s=3600.0)
     before = [t.clone() for t in layers]
+    # The worker's warm-up (on its I/O thread) makes the one try: wait for it, or the step
+    # below races it to a second first try (2 attempts in one run).
+    wait_until(lambda: outages, 10, "the warm-up's failed try")
     plan = StepPlan(
         loads=[LoadPlan("r1", (HASHES[:1],), 0, (1, 2), False)],
         saves=[SavePlan("r2", (HASHES[1:2],), (3, 4))],
