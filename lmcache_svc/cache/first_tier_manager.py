@@ -82,12 +82,13 @@ class FirstTierManager:
         """Evict least recently used unpinned chunks worth ``nbytes``; returns how many."""
         with self._lock:
             victims = self._index.least_recent_at_rest(nbytes)
+            since = self._lower.delete_count()  # a delete from here on undoes the demotion
             for key, _ in victims:
                 self._index.remove_for_demotion(key)
         for key, slot in victims:
             view = self._tier.view(slot)
             if self._intact(key, slot, view):
-                self._lower.demote(key, view)
+                self._lower.demote(key, view, since=since)
         with self._lock:
             for key, slot in victims:
                 self._index.end_demotion(key)

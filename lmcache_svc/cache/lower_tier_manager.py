@@ -51,6 +51,40 @@ T = TypeVar("T")
 D = TypeVar("D")
 
 _QUICK_OPS = frozenset({"contains", "size_of", "delete", "probe"})
+_RECENT_DELETES = 4096
+"""Deletes remembered by number, to tell whether one came while a put or read of the same
+chunk was in flight (older ones count as "maybe": the put or read is then undone)."""
+
+
+class _DeleteLog:
+    """Numbers the deletes, and remembers the last ``_RECENT_DELETES`` of them by key.
+
+    A put or read runs outside the lock; a delete of its chunk may come meanwhile, find
+    nothing in the index yet, and leave the tier alone. The put or read notes the count
+    before it starts (``count``) and, once done, asks ``deleted_since``: if so, it must not
+    index the chunk (and a put deletes what it wrote). Used under the manager's lock."""
+
+    __slots__ = ("count", "_recent", "_forgotten_upto")
+
+    def __init__(self) -> None:
+        self.count = 0
+        self._recent: OrderedDict[ChunkKey, int] = OrderedDict()
+        self._forgotten_upto = 0
+
+    def record(self, key: ChunkKey) -> None:
+        self.count += 1
+        self._recent[key] = self.count
+        self._recent.move_to_end(key)
+        if len(self._recent) > _RECENT_DELETES:
+            _, self._forgotten_upto = self._recent.popitem(last=False)
+
+    def deleted_since(self, key: ChunkKey, since: int) -> bool:
+        number = self._recent.get(key)
+        if number is not None:
+            return number > since
+        return self._forgotten_upto > since  # a forgotten delete may have been of this key
+
+
 """Calls that take one round trip on a healthy tier: the only ones the slow-call check
 watches (a large batch may legitimately take longer)."""
 _PROBE_KEY = ChunkKey(b"\0" * CHUNK_KEY_BYTES)
@@ -79,6 +113,7 @@ class LowerTierManager:
         self._tiers = [self._make(t, p) for t, p in tiers]
         self._resyncing: set[str] = set()
         self._probing: set[str] = set()
+        self._deletes = _DeleteLog()
 
     def _make(self, tier: Tier, policy: TierPolicy) -> LowerTierState:
         trips = self._metrics.breaker_trips.labels(tier=tier.name)
@@ -150,6 +185,8 @@ class LowerTierManager:
     def read_up(self, items: Sequence[tuple[ChunkKey, LowerTierState, memoryview]]) -> list[bool]:
         """Read each chunk from its tier into its buffer, batched per tier; success per item."""
         ok = [False] * len(items)
+        with self._lock:
+            since = self._deletes.count
         for lt in self._tiers:
             mine = [(i, key, out) for i, (key, src, out) in enumerate(items) if src is lt]
             if not mine:
@@ -166,7 +203,7 @@ class LowerTierManager:
                         self._metrics.bytes_read.labels(tier=lt.tier.name).inc(len(out))
                         if key in lt.contents:
                             lt.contents.move_to_end(key)
-                        elif not lt.tier.shared:
+                        elif not lt.tier.shared and not self._deletes.deleted_since(key, since):
                             lt.contents[key] = len(out)
                             self._changed(lt, key, True)
                     elif _gone(result):
@@ -176,19 +213,29 @@ class LowerTierManager:
 
     # -- writes ----------------------------------------------------------------------------
 
-    def demote(self, key: ChunkKey, data: memoryview, below: int = 0) -> None:
+    def delete_count(self) -> int:
+        """Deletes so far: a demotion notes it when its chunk leaves the first tier's index
+        (``demote(..., since=)``), so a delete that comes before the write is seen."""
+        with self._lock:
+            return self._deletes.count
+
+    def demote(
+        self, key: ChunkKey, data: memoryview, below: int = 0, since: int | None = None
+    ) -> None:
         """Give an evicted chunk to the first tier after position ``below`` that takes it."""
         for position in range(below, len(self._tiers)):
             lt = self._tiers[position]
             with self._lock:
                 if key in lt.contents:
                     return  # already there (written through, or promoted from there)
-            if lt.policy.accept_demotions and self._put(position, key, data):
+            if lt.policy.accept_demotions and self._put(position, key, data, since):
                 self._metrics.demotions.labels(tier=lt.tier.name).inc()
                 return
 
     def copy_through(self, items: Sequence[tuple[ChunkKey, memoryview]]) -> None:
         """Copy committed chunks to every write-through tier that does not hold them."""
+        with self._lock:
+            since = self._deletes.count
         for position, lt in enumerate(self._tiers):
             if not lt.policy.write_through:
                 continue
@@ -202,28 +249,37 @@ class LowerTierManager:
             self._report(lt.tier, results)
             for (key, view), result in zip(todo, results):
                 if result is True:
-                    self._stored(lt, key, len(view))
+                    self._stored(lt, key, len(view), since)
                 elif not isinstance(result, Failed):  # no room: evict, then try again
                     self._put(position, key, view)
 
-    def _put(self, position: int, key: ChunkKey, data: Buffer) -> bool:
-        """Put into the tier at ``position``, evicting its LRU chunks while it is full."""
+    def _put(self, position: int, key: ChunkKey, data: Buffer, since: int | None = None) -> bool:
+        """Put into the tier at ``position``, evicting its LRU chunks while it is full;
+        ``since``: the delete count when the chunk's move began (default: now)."""
         lt = self._tiers[position]
+        if since is None:
+            since = self.delete_count()
         while True:
             stored = self._call(lt, "put", None, lt.tier.put, key, data)
             if stored is None:
                 return False  # down or failing: the caller moves on to the next tier
             if stored:
-                self._stored(lt, key, len(data))
+                self._stored(lt, key, len(data), since)
                 return True
             if not self._evict_one(position):
                 return False
 
-    def _stored(self, lt: LowerTierState, key: ChunkKey, size: int) -> None:
+    def _stored(self, lt: LowerTierState, key: ChunkKey, size: int, since: int) -> None:
+        """Index a chunk the tier took, unless it was deleted while the write was in flight
+        (``since``: the delete count before it began): then the write is undone."""
         with self._lock:
-            lt.contents[key] = size
-            self._changed(lt, key, True)
+            deleted = self._deletes.deleted_since(key, since)
+            if not deleted:
+                lt.contents[key] = size
+                self._changed(lt, key, True)
         self._metrics.bytes_written.labels(tier=lt.tier.name).inc(size)
+        if deleted:
+            self._call(lt, "delete", None, lt.tier.delete, key)
 
     def _evict_one(self, position: int) -> bool:
         """Evict the tier's least recently used chunk, demoting it further down."""
@@ -254,6 +310,8 @@ class LowerTierManager:
     def delete(self, key: ChunkKey) -> bool:
         """Remove the chunk from every lower tier; True if one of them held it."""
         found = False
+        with self._lock:
+            self._deletes.record(key)
         for lt in self._tiers:
             with self._lock:
                 size = lt.contents.pop(key, None)

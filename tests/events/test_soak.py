@@ -121,7 +121,13 @@ def test_a_subscribers_view_matches_the_tiers_after_a_soak(node) -> None:
         if view == expected:
             break
         expected = held()
-    assert view == expected
+    assert view == expected, {
+        medium: {
+            "announced, not held": view[medium] - held_now,
+            "held, not announced": held_now - view[medium],
+        }
+        for medium, held_now in expected.items()
+    }
     assert len(expected["CPU"]) > 0 and len(expected["STORAGE"]) > 0
     assert events.metrics.unannounced.labels(reason="no_parent")._value.get() == 0
     sub.close()
