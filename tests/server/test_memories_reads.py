@@ -163,7 +163,9 @@ def test_grpc_reads_stream_and_hold_one_piece(
             for part in stub.GetMemory(pb.GetMemoryRequest(memory_id=mid), timeout=30):
                 got.update(part.data)
     assert got.hexdigest() == digest
-    assert peak.mib < 24, f"a 48 MiB GetMemory held {peak.mib:.0f} MiB"
+    # Well under the memory (48 MiB) and its copies: the server holds the piece being read and
+    # the one held back until the checksum is confirmed (integrity.MemoryRead.pieces).
+    assert peak.mib < 30, f"a 48 MiB GetMemory held {peak.mib:.0f} MiB"
 
 
 def test_grpc_a_corrupted_memory_is_data_loss(

@@ -78,17 +78,24 @@ class MemoryRead:
 
     def pieces(self, piece_bytes: int) -> Iterator[bytes]:
         """The stored bytes in pieces of at most ``piece_bytes``, hashed again on the way:
-        after the last piece, ``MemoryCorrupted`` if they are not the bytes stored."""
+        ``MemoryCorrupted`` if they are not the bytes stored, raised before the last piece is
+        handed out (each piece is held until the next is read), so a response never
+        completes with changed bytes, even a memory of one piece."""
         digest = xxhash.xxh3_64()
         num = 0
+        held: bytes | None = None
         while piece := self._read(num, min(piece_bytes, self.size - num) or 1):
             digest.update(piece)
             num += len(piece)
             if num > self.size:
                 break
-            yield piece
+            if held is not None:
+                yield held
+            held = piece
         if (digest.intdigest(), num) != (self._checksum, self.size):
             self._fail()
+        if held is not None:
+            yield held
 
     def _read(self, offset: int, num: int) -> bytes:
         with self._io:
