@@ -79,6 +79,24 @@ def test_outage_backs_off_and_stays_on_shared_memory(
         server.cleanup()
 
 
+def test_register_tells_whether_the_server_answered(tmp_path: Path) -> None:
+    """The plugin's event thread resyncs with a restarted server only once the namespace is
+    registered there (else the server never publishes its topic): it must be able to tell
+    a registration the server answered from one that failed."""
+    server = start_server(tmp_path)
+    config = ConnectorConfig(url=server.socket, rpc_timeout_ms=200, retry_interval_s=0.05)
+    link = ServerLink(config, NAMESPACE, "register-test")
+    try:
+        assert link.register()[0]
+        os.kill(server.proc.pid, signal.SIGKILL)
+        server.proc.wait()
+        answered, _ = link.register()
+        assert not answered
+    finally:
+        link.close()
+        server.cleanup()
+
+
 def _reserve_when_up(link: ServerLink) -> Reservation:
     """The first calls (connect, map the segment) may outlast the short test deadline."""
     reservations: list[Reservation] = []
@@ -145,7 +163,8 @@ def test_inline_stores_carry_their_tokens_to_the_events(serve, events) -> None: 
     config = ConnectorConfig(url=server.socket, use_shm=False, chunk_size=INPROC_NS.chunk_size)
     link = ServerLink(config, INPROC_NS, "inline-events")
     try:
-        assert link.register() is not None  # the server publishes this namespace
+        answered, source = link.register()
+        assert answered and source is not None  # the server publishes this namespace
         hashes, parents, tokens = prompt(5, 2)
         reservation = link.reserve(hashes, INPROC_NS.chunk_bytes)
         assert reservation is not None and reservation.inline

@@ -90,7 +90,7 @@ class EngineEvents:
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            source = self._link.register()
+            _, source = self._link.register()
             if source is None or source.replay_endpoint is None:
                 # the server is down (ask again soon) or does not publish this namespace
                 self._stop.wait(1.0 if self._link.is_down else UNPUBLISHED_RETRY_S)
@@ -152,8 +152,13 @@ class EngineEvents:
     def _resync(self, replay: _Replay, topic: bytes) -> tuple[bytes, int]:
         """Forget what was announced (removals), then announce the server's snapshot. The
         namespace is registered again first: a restarted server publishes a topic (and
-        tells its own subscribers of the restart) once a namespace maps to it."""
-        self._link.register()
+        tells its own subscribers of the restart) once a namespace maps to it. Its replay
+        socket can answer before its gRPC port does (the client's channel reconnects on its
+        own back-off): without the registration the stream would stay silent, so the
+        resync waits for it (``_run`` starts over)."""
+        answered, _ = self._link.register()
+        if not answered:
+            raise TimeoutError("the server did not answer the namespace's registration")
         seq, payloads, epoch = replay.snapshot(topic)
         self.num_resyncs += 1
         self._clear()

@@ -252,11 +252,13 @@ class ServerLink:
         ns_id = self._namespace_id
         return None if ns_id is None else self._client.events_source(ns_id)
 
-    def register(self) -> EventsSource | None:
-        """Register the namespace now (again); its event source."""
-        self._guarded("register_namespace", lambda ns: self._client.register_namespace(
+    def register(self) -> tuple[bool, EventsSource | None]:
+        """Register the namespace now (again): whether the server answered, and the
+        namespace's event source. A restarted server publishes a namespace's topic only
+        once the namespace is registered there."""
+        answered = self._guarded("register_namespace", lambda ns: self._client.register_namespace(
             self.namespace))  # fmt: skip
-        return self.events_source()
+        return answered is not None, self.events_source()
 
     # -- worker side: loads --------------------------------------------------------------
 
