@@ -50,6 +50,7 @@ from lmcache_svc_bench.vllm_ttft import (
     vllm_prefix_cache,
     write_contexts,
 )
+from lmcache_svc_bench.vllm_ttft_breakdown import memcpy_gbps
 from lmcache_svc_bench.vllm_ttft_report import write_report
 
 STRATEGIES = ("a", "b", "b256", "c", "d")
@@ -148,7 +149,10 @@ def run(ctx: BenchContext) -> Report:
     finally:
         server.cleanup()
     report = ctx.report()
-    write_report(report, p, results, ctx.out_dir)
+    gbps = memcpy_gbps()
+    write_report(
+        report, p, results, ctx.out_dir, kv_bytes_per_token=kv_bytes_per_token(shape), gbps=gbps
+    )
     return report
 
 

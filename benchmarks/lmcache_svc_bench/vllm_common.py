@@ -66,14 +66,19 @@ def start_engine(
     kv_config: dict[str, Any] | None = None,
     prefix_caching: bool = True,
     kv_cache_gib: int = 1,
+    trace: Path | None = None,
 ) -> EngineProc:
-    """An engine with the benchmarks' common settings (block size, batch, env)."""
+    """An engine with the benchmarks' common settings (block size, batch, env); ``trace``:
+    a file for the plugin's and the runner's time marks (``lmcache_svc_vllm/trace.py``)."""
+    env = dict(BENCH_ENV)
+    if trace is not None:
+        env["LMCACHE_SVC_VLLM_TRACE"] = str(trace)
     return EngineProc.start(
         name,
         model_dir,
         log_dir,
         kv_config=kv_config,
-        env=BENCH_ENV,
+        env=env,
         python_path=[Path(__file__).resolve().parent / "vllm"],
         prefix_caching=prefix_caching,
         max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS,

@@ -19,7 +19,7 @@ limit, KV space and core reservation (``vllm_common.start_engine``).
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +49,7 @@ class Sample:
     ttft_s: float
     token_ids: list[int]
     num_cached_tokens: int
+    marks: list[tuple[float, str]] = field(default_factory=list)  # (ms, name): trace.py
 
 
 Results = dict[Cell, list[Sample]]
@@ -75,7 +76,10 @@ def _measure_cell(
     samples = []
     for prompt in workload.prompts(cell):
         out = engine.ttft(prompt, workload.max_tokens)
-        samples.append(Sample(out["ttft_s"], out["token_ids"], int(out["num_cached_tokens"])))
+        marks = [(float(ms), str(name)) for ms, name in out.get("marks", [])]
+        samples.append(
+            Sample(out["ttft_s"], out["token_ids"], int(out["num_cached_tokens"]), marks)
+        )
     ms = ", ".join(f"{s.ttft_s * 1e3:.0f}" for s in samples)
     progress(f"  {engine.name}: context {cell[0]}, query {cell[1]}: TTFT {ms} ms")
     return samples
@@ -152,6 +156,7 @@ def example_connector(setup: Setup, workload: Workload, storage_dir: Path) -> Re
 
 def _start(setup: Setup, name: str, **kwargs: Any) -> EngineProc:
     setup.progress(f"starting engine {name}")
-    engine = start_engine(name, setup.model_dir, setup.log_dir, **kwargs)
+    trace = setup.log_dir / f"trace-{name}.txt"
+    engine = start_engine(name, setup.model_dir, setup.log_dir, trace=trace, **kwargs)
     setup.progress(f"engine {name} ready in {engine.startup_s:.0f} s")
     return engine

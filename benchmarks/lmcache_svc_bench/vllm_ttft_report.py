@@ -10,6 +10,7 @@ from lmcache_svc_bench import plots
 from lmcache_svc_bench.report import Report
 from lmcache_svc_bench.stats import median
 from lmcache_svc_bench.vllm_ttft import PLUGIN_DEFAULT_CHUNK, Cell, Results
+from lmcache_svc_bench.vllm_ttft_breakdown import breakdown_table, fixed_cost_target, traced
 
 if TYPE_CHECKING:
     from lmcache_svc_bench.ttft import Params
@@ -121,14 +122,27 @@ def _same_as_c_target(
     )
 
 
-def write_report(report: Report, p: Params, results: dict[str, Results], out_dir: Path) -> None:
+def write_report(
+    report: Report,
+    p: Params,
+    results: dict[str, Results],
+    out_dir: Path,
+    *,
+    kv_bytes_per_token: int,
+    gbps: float,
+) -> None:
+    """``gbps``: this host's memcpy bandwidth, measured in the same run."""
     cells = list(results["a"])
     names = list(results)
     out_dir.mkdir(parents=True, exist_ok=True)
     _ttft_table(report, p, results, cells, names)
     _served_table(report, results, cells, names)
+    if "b" in results and traced(results):
+        breakdown_table(report, results, cells)
     if "b" in results:  # the targets hold for what a user gets: (b)
         _targets(report, results, cells, "b")
+    if "b" in results and "c" in results:
+        fixed_cost_target(report, results, cells, kv_bytes_per_token, gbps)
     mismatches = [output_mismatches(results, c) for c in cells]
     c_too = all(
         "c" in m for m in mismatches if any(num_first for num_first, _ in m.values())
@@ -205,6 +219,7 @@ def _ttft_table(
         "prefix lookup: example_prefix.py).",
         "MemOS speedup: 1 / (1 - TTFT reduction) from MemOS's KVCacheMemory table, Qwen3-8B "
         "on GPU (transformers); ours: a random-weight 8-layer model on one CPU core.",
+        _prefill_note(results, cells),
     ]
 
 
@@ -238,7 +253,7 @@ def _targets(report: Report, results: dict[str, Results], cells: list[Cell], nam
         report.target(
             f"({name}) TTFT / (c) TTFT, worst of {len(cells)} cells (ctx {worst[0]}, q {worst[1]})",
             ratio,
-            1.1,
+            1.05,
             lower_is_better=True,
             why_missed=_served_gap(results, name, "c", worst),
         )
@@ -286,3 +301,14 @@ def _served_gap(results: dict[str, Results], name: str, other: str, cell: Cell) 
     if gap > 0:
         return f"({other}) served {gap} more tokens in that cell (chunk alignment)"
     return f"({name}) served as many tokens as ({other}) there: the difference is the load itself"
+
+
+def _prefill_note(results: dict[str, Results], cells: list[Cell]) -> str:
+    """This host's prefill speed, from (a): a slow host hides a fixed cost in the ratios."""
+    longest = max(cells, key=lambda c: c[0] + c[1])
+    ms = _med(results, "a", longest) * 1e3
+    tokens = longest[0] + longest[1]
+    return (
+        f"This host's prefill speed: (a) computed {tokens} tokens in {ms:.1f} ms "
+        f"({tokens / ms * 1e3:,.0f} tokens/s; median TTFT, prefix cache off)."
+    )

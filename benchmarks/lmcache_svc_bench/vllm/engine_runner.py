@@ -10,9 +10,12 @@ stdout (everything vLLM prints goes to stderr):
         with ``"margins": true`` each output also has ``"margins"``: per generated token,
         its logprob minus the runner-up's (how far each greedy choice is from a tie).
     {"op": "ttft", "prompt": [ids...], "max_tokens": 8}
-        -> {"ok": true, "ttft_s": t, "elapsed_s": t, "token_ids": [...], "num_cached_tokens": n}
+        -> {"ok": true, "ttft_s": t, "elapsed_s": t, "token_ids": [...], "num_cached_tokens": n,
+            "marks": [[ms, name], ...]}
         one request, streamed: ``ttft_s`` runs from handing the request to the engine
         (``LLMEngine.add_request``) to the first step that returns a generated token.
+        ``marks``: with ``LMCACHE_SVC_VLLM_TRACE`` set, every trace mark (this process's
+        steps, the plugin's hooks and phases) up to the first token.
     {"op": "metrics"}             -> {"ok": true, "metrics": {"name{label=value}": number}}
     {"op": "reset_prefix_cache"}  -> {"ok": true}   (empties vLLM's own prefix cache)
     {"op": "log_stats"}           -> {"ok": true}   (vLLM logs its stats now, incl. the
@@ -125,12 +128,19 @@ def _ttft(llm: Any, cmd: dict[str, Any]) -> dict[str, Any]:
     prompt = TokensPrompt(prompt_token_ids=list(cmd["prompt"]))
     first: float | None = None
     final: Any = None
+    mark = _trace_mark()
+    start_ns = time.perf_counter_ns()
     start = time.perf_counter()
+    mark("ttft.add")
     engine.add_request(f"ttft-{time.monotonic_ns()}", prompt, params)
     while engine.has_unfinished_requests():
-        for out in engine.step():
+        mark("step>")
+        outputs = engine.step()
+        mark("step<")
+        for out in outputs:
             if first is None and out.outputs and out.outputs[0].token_ids:
                 first = time.perf_counter() - start
+                mark("ttft.first")
             if out.finished:
                 final = out
     elapsed = time.perf_counter() - start
@@ -141,7 +151,30 @@ def _ttft(llm: Any, cmd: dict[str, Any]) -> dict[str, Any]:
         "elapsed_s": elapsed,
         "token_ids": list(final.outputs[0].token_ids),
         "num_cached_tokens": final.num_cached_tokens,
+        "marks": _marks_until_first(start_ns, first),
     }
+
+
+def _trace_mark() -> Any:
+    """The plugin's trace marks (``lmcache_svc_vllm/trace.py``) when ``LMCACHE_SVC_VLLM_TRACE``
+    is set, so this process's marks and the engine's share one file and one clock."""
+    if not os.environ.get("LMCACHE_SVC_VLLM_TRACE"):
+        return lambda name: None
+    from lmcache_svc_vllm import trace
+
+    return trace.mark
+
+
+def _marks_until_first(start_ns: int, first_s: float) -> list[tuple[float, str]]:
+    """Every process's marks from ``add_request`` to the first token: (ms from the start,
+    name); empty when tracing is off."""
+    path = os.environ.get("LMCACHE_SVC_VLLM_TRACE")
+    if not path:
+        return []
+    from lmcache_svc_vllm import trace
+
+    end_ns = start_ns + int(first_s * 1e9) + 1_000_000  # the first token's own mark
+    return [((ns - start_ns) / 1e6, name) for ns, name in trace.read_marks(path, start_ns, end_ns)]
 
 
 def _metrics(llm: Any) -> dict[str, Any]:

@@ -19,6 +19,7 @@ from collections.abc import Callable
 from time import perf_counter_ns
 from typing import Any, Literal, Protocol, TypeVar
 
+from lmcache_svc_vllm import trace
 from lmcache_svc_vllm.stats import StatsRecorder
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -47,7 +48,10 @@ class HasHookClock(Protocol):
 
 
 def timed(method: F) -> F:
-    """Count a hook's wall time (also when it raises) in ``self.hook_clock``."""
+    """Count a hook's wall time (also when it raises) in ``self.hook_clock``; with tracing
+    on (``trace.py``), also mark its entry and exit."""
+    if trace.enabled:
+        return _traced(method)
 
     @functools.wraps(method)
     def wrapper(self: HasHookClock, *args: Any, **kwargs: Any) -> Any:
@@ -58,6 +62,24 @@ def timed(method: F) -> F:
             clock = self.hook_clock
             clock.ns += perf_counter_ns() - start
             clock.calls += 1
+
+    return wrapper  # type: ignore[return-value]
+
+
+def _traced(method: F) -> F:
+    entry, leave = f"{method.__name__}>", f"{method.__name__}<"
+
+    @functools.wraps(method)
+    def wrapper(self: HasHookClock, *args: Any, **kwargs: Any) -> Any:
+        trace.mark(entry)
+        start = perf_counter_ns()
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            clock = self.hook_clock
+            clock.ns += perf_counter_ns() - start
+            clock.calls += 1
+            trace.mark(leave)
 
     return wrapper  # type: ignore[return-value]
 

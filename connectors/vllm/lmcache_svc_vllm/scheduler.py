@@ -25,6 +25,7 @@ from typing import Any
 
 from lmcache_svc.client import LookupResult
 from lmcache_svc.keys import Namespace, chunk_hashes
+from lmcache_svc_vllm import trace
 from lmcache_svc_vllm.config import ConnectorConfig
 from lmcache_svc_vllm.link import ServerLink
 from lmcache_svc_vllm.metadata import LoadPlan, SavePlan, StepPlan
@@ -129,8 +130,10 @@ class SchedulerSide:
     def _lookup(self, token_ids: list[int]) -> LookupAnswer:
         """On a lookup thread: hash for every rank, ask the server about rank 0's chunks."""
         hashes = tuple(tuple(chunk_hashes(ns, token_ids)) for ns in self.namespaces)
+        trace.mark("lookup.hashed")
         start = time.perf_counter()
         result = self.link.lookup(hashes[0])
+        trace.mark("lookup.answered")
         return LookupAnswer(hashes, result, time.perf_counter() - start)
 
     def _resolve(self, state: RequestState) -> bool:
@@ -142,6 +145,7 @@ class SchedulerSide:
         except FutureTimeout:
             overdue = time.monotonic() - state.started > 2 * self.config.lookup_timeout_ms / 1000
             if not overdue:
+                trace.mark("lookup.deferred")
                 self.stats.add(lookups_deferred=1)
                 return False
             state.pending = None  # a stuck lookup thread: give up, a miss

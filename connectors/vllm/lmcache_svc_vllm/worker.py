@@ -31,6 +31,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
 from lmcache_svc.keys import Namespace
+from lmcache_svc_vllm import trace
 from lmcache_svc_vllm.cores import off_compute_cores
 from lmcache_svc_vllm.layout import KVPages, UnsupportedLayout, layer_sort_key
 from lmcache_svc_vllm.link import Reservation, ServerLink
@@ -171,11 +172,13 @@ class WorkerSide:
             return
         num_planned = sum(len(s.hashes_for(self.tp_rank)) for s in plan.saves)
         reservation = self._wait_reservation(future)
+        trace.mark("save.reserved")
         if reservation is None or self._pages is None:
             self.stats.add(save_skipped_chunks=num_planned)
             return
         start = time.perf_counter()
         ok = self._copy_out(reservation)
+        trace.mark("save.copied")
         self.stats.time("save_seconds", time.perf_counter() - start)
         described = describe_saves(plan.saves, self.tp_rank, self.namespace.chunk_size)
         self._in_background(self._publish, reservation, num_planned, ok, described)
@@ -270,6 +273,7 @@ class WorkerSide:
             return list(plan.block_ids)
         start = time.perf_counter()
         acquired = self.link.acquire(plan.hashes_for(self.tp_rank))
+        trace.mark("load.acquired")
         if acquired is None:
             return self._failed(plan, list(plan.block_ids))
         num_loaded_blocks = 0
@@ -289,6 +293,7 @@ class WorkerSide:
         except Exception:  # never into vLLM: the blocks are recomputed instead
             logger.exception("lmcache-svc: copying loaded chunks failed")
         finally:  # once the bytes are copied, off the step
+            trace.mark("load.copied")
             self._in_background(self._release_after, events, acquired)
         num_chunks = min(len(acquired.buffers), len(plan.hashes_for(self.tp_rank)))
         self.stats.time("load_seconds", time.perf_counter() - start)

@@ -1,0 +1,56 @@
+"""Time marks on a request's path through the plugin, for the TTFT benchmark's breakdown.
+
+Off unless ``LMCACHE_SVC_VLLM_TRACE`` names a file in the engine's environment: then every
+``mark(name)`` appends one line, ``<perf_counter_ns> <pid> <name>``, with one ``write`` (an
+``O_APPEND`` write of a short line is not interleaved with other processes' lines).
+``perf_counter`` is ``CLOCK_MONOTONIC`` on Linux, so the marks of vLLM's scheduler and worker
+processes and of the benchmark driving the engine share one time line.
+
+Each hook of the connector is marked ``<hook>>`` on entry and ``<hook><`` on exit
+(``hooks.timed``); inside, the load and save paths mark their phases (``worker.py``) and the
+lookup thread its answer (``scheduler.py``). Off, ``mark`` does nothing and the hooks are
+wrapped as before (the choice is made when the plugin is imported).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from time import perf_counter_ns
+
+TRACE_ENV = "LMCACHE_SVC_VLLM_TRACE"
+
+
+class _TraceFile:
+    def __init__(self, path: str) -> None:
+        self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        self._pid = os.getpid()
+
+    def mark(self, name: str) -> None:
+        os.write(self._fd, f"{perf_counter_ns()} {self._pid} {name}\n".encode())
+
+
+def _off(name: str) -> None:
+    pass
+
+
+def _from_env() -> Callable[[str], None]:
+    path = os.environ.get(TRACE_ENV)
+    return _TraceFile(path).mark if path else _off
+
+
+mark = _from_env()
+enabled = mark is not _off
+
+
+def read_marks(path: str, start_ns: int, end_ns: int) -> list[tuple[int, str]]:
+    """(ns, name) of the marks in ``[start_ns, end_ns]``, in time order."""
+    out: list[tuple[int, str]] = []
+    with open(path) as f:
+        for line in f:
+            ns_text, _, name = line.rstrip("\n").split(" ", 2)
+            ns = int(ns_text)
+            if start_ns <= ns <= end_ns:
+                out.append((ns, name))
+    out.sort()
+    return out
