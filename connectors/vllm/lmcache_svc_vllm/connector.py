@@ -32,6 +32,7 @@ from lmcache_svc_vllm.events import EngineEvents, start_engine_events
 from lmcache_svc_vllm.hooks import HookClock, flush, timed
 from lmcache_svc_vllm.link import ServerLink
 from lmcache_svc_vllm.metadata import StepPlan
+from lmcache_svc_vllm.prefetch import PREFETCHES
 from lmcache_svc_vllm.prom import LMCacheSvcPromMetrics, LMCacheSvcStats
 from lmcache_svc_vllm.scheduler import SchedulerSide
 from lmcache_svc_vllm.stats import StatsRecorder
@@ -133,6 +134,8 @@ class LMCacheSvcConnector(KVConnectorBase_V1):
             self._stats,
             num_blocks=engine.num_blocks,
             page_order=engine.page_order,
+            # the only worker: it may share the scheduler's process (vLLM's UniProcExecutor)
+            prefetches=PREFETCHES if engine.tp_size == 1 else None,
         )
 
     def _set_load_failure_policy(self) -> None:

@@ -29,6 +29,7 @@ from lmcache_svc_vllm import trace
 from lmcache_svc_vllm.config import ConnectorConfig
 from lmcache_svc_vllm.link import ServerLink
 from lmcache_svc_vllm.metadata import LoadPlan, SavePlan, StepPlan
+from lmcache_svc_vllm.prefetch import PREFETCHES, Prefetches
 from lmcache_svc_vllm.save_tokens import describe_save
 from lmcache_svc_vllm.stats import StatsRecorder
 
@@ -75,7 +76,9 @@ class SchedulerSide:
         *,
         load: bool = True,
         save: bool = True,
+        prefetches: Prefetches = PREFETCHES,
     ) -> None:
+        """``prefetches``: where a worker of this process takes the leases started here."""
         self.config = config
         self.load_enabled, self.save_enabled = load, save
         self.namespaces = list(namespaces)
@@ -85,6 +88,7 @@ class SchedulerSide:
         self.blocks_per_chunk = self.chunk_size // block_size
         self.link = link
         self.stats = stats
+        self._prefetches = prefetches
         self._requests: dict[str, RequestState] = {}
         self._loads: list[LoadPlan] = []
         self._num_running = 0
@@ -215,6 +219,10 @@ class SchedulerSide:
         state.loaded_block_ids = plan.block_ids
         state.loaded_first_chunk, state.loaded_first_block = first_chunk, plan.first_block
         self._loads.append(plan)
+        # A worker in this process: its lease now, while vLLM prepares the step (prefetch.py).
+        namespace_id = self.namespaces[0].namespace_id
+        if self._prefetches.start(plan.req_id, namespace_id, plan.hashes_for(0), self._submit):
+            trace.mark("load.prefetch")
 
     def build_step_plan(self, scheduler_output: Any) -> StepPlan:
         plan = StepPlan(loads=self._loads)
@@ -272,6 +280,10 @@ class SchedulerSide:
 
     def request_finished(self, request_id: str) -> None:
         self._requests.pop(request_id, None)
+        self._prefetches.discard(request_id)
+
+    def _submit(self, fn: Any, /, *args: Any) -> Future[Any]:
+        return self._lookups.submit(self.stats.cpu_timed, fn, *args)
 
     def shutdown(self) -> None:
         self._lookups.shutdown(wait=False, cancel_futures=True)

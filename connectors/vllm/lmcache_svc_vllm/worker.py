@@ -34,10 +34,11 @@ from lmcache_svc.keys import Namespace
 from lmcache_svc_vllm import trace
 from lmcache_svc_vllm.cores import off_compute_cores
 from lmcache_svc_vllm.layout import KVPages, UnsupportedLayout, layer_sort_key
-from lmcache_svc_vllm.link import Reservation, ServerLink
+from lmcache_svc_vllm.link import Acquired, Reservation, ServerLink
 from lmcache_svc_vllm.metadata import LoadPlan, SavePlan, StepPlan
 from lmcache_svc_vllm.mover import ChunkLoad, ChunkSave, LayerEvents, PageMover
 from lmcache_svc_vllm.pinning import HostPinner, cuda_host_registrar
+from lmcache_svc_vllm.prefetch import Prefetches
 from lmcache_svc_vllm.save_tokens import describe_saves
 from lmcache_svc_vllm.stats import StatsRecorder
 from lmcache_svc_vllm.streams import copy_stream_for
@@ -55,8 +56,11 @@ class WorkerSide:
         num_blocks: int,
         page_order: str,
         layerwise: bool | None = None,
+        prefetches: Prefetches | None = None,
     ) -> None:
-        """``layerwise``: per-layer load waits and saves (default: on CUDA only)."""
+        """``layerwise``: per-layer load waits and saves (default: on CUDA only).
+        ``prefetches``: the process's leases started by the scheduler half, for a worker in
+        the scheduler's process (``prefetch.py``); None: this worker leases itself."""
         self.namespace = namespace
         self.tp_rank = namespace.tp_rank
         self.link = link
@@ -85,6 +89,7 @@ class WorkerSide:
         self._lock = threading.Lock()
         self._finished_loads: set[str] = set()
         self._load_errors: set[int] = set()
+        self._prefetches = prefetches
 
     # -- set-up --------------------------------------------------------------------------
 
@@ -115,6 +120,8 @@ class WorkerSide:
         if is_cuda:
             self._pinner = HostPinner(*cuda_host_registrar())
         self._in_background(self.link.warm_up)
+        if self._prefetches is not None:
+            self._prefetches.attach(self.namespace.namespace_id, self.link)
         logger.info(
             "lmcache-svc: %d layers, %d-byte pages, %d-byte chunks (%s)",
             pages.geometry.num_layers,
@@ -225,6 +232,8 @@ class WorkerSide:
         return errors
 
     def shutdown(self) -> None:
+        if self._prefetches is not None:
+            self._prefetches.detach(self.namespace.namespace_id)
         self._loader.shutdown(wait=True, cancel_futures=True)
         self._io.shutdown(wait=True, cancel_futures=True)
         if self._pinner is not None:
@@ -272,7 +281,8 @@ class WorkerSide:
         if pages is None or mover is None:
             return list(plan.block_ids)
         start = time.perf_counter()
-        acquired = self.link.acquire(plan.hashes_for(self.tp_rank))
+        hashes = plan.hashes_for(self.tp_rank)
+        acquired = self._prefetched(plan.req_id, hashes) or self.link.acquire(hashes)
         trace.mark("load.acquired")
         if acquired is None:
             return self._failed(plan, list(plan.block_ids))
@@ -302,6 +312,14 @@ class WorkerSide:
             load_bytes=num_loaded_blocks * pages.geometry.num_layers * pages.geometry.page_bytes,
         )
         return self._failed(plan, list(plan.block_ids[num_loaded_blocks:]))
+
+    def _prefetched(self, req_id: str, hashes: Sequence[bytes]) -> Acquired | None:
+        if self._prefetches is None:
+            return None
+        acquired = self._prefetches.take(req_id, hashes, self.link.config.rpc_timeout_ms / 1000)
+        if acquired is not None:
+            trace.mark("load.prefetched")
+        return acquired
 
     def _release_after(self, events: LayerEvents | None, acquired: Any) -> None:
         if events is not None:
