@@ -28,6 +28,7 @@ Which part owns which state, and the lock order: the package docstring (``__init
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from lmcache_svc.cache.core import CacheCore
 from lmcache_svc.cache.listener import ChunkListener
@@ -46,8 +47,10 @@ from lmcache_svc.cache.values import (
 )
 from lmcache_svc.keys import Namespace
 from lmcache_svc.metrics import Metrics
-from lmcache_svc.server.index_publisher import IndexPublisher
 from lmcache_svc.tiers.base import Buffer, SegmentInfo, Slot, SlotTier, Tier
+
+if TYPE_CHECKING:
+    from lmcache_svc.server.index_publisher import IndexPublisher
 
 
 class TieredCache:
