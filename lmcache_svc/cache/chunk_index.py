@@ -16,10 +16,12 @@ circulation, the key stays busy, and only its owner's commit or abort, or the en
 session, gives the slot back. A quarantined entry never becomes readable.
 
 Not locked itself: the cache's lock guards every call, and this is the only code that
-changes its entries (pins, deleted flags, deadlines, keys being demoted): callers read an ``Entry``,
-never write it. With ``check_lock`` (default: the ``LMCACHE_CHECK_LOCKS`` environment
-variable set to 1, as the test suite does) every method that changes the index raises
-``RuntimeError`` when the calling thread does not hold the lock it was given.
+changes its entries (pins, deleted flags, deadlines, keys being demoted): callers read an
+``Entry``, never write it. Its one owner, ``first_tier_slots.FirstTierSlots``, is the only
+code that calls its changing methods. With ``check_lock`` (default: the
+``LMCACHE_CHECK_LOCKS`` environment variable set to 1, as the test suite does) every method
+that changes the index raises ``RuntimeError`` when the calling thread does not hold the
+lock it was given.
 """
 
 from __future__ import annotations

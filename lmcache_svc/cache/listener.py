@@ -1,6 +1,6 @@
 """``ChunkListener``: told where chunks become loadable and where they stop being so.
 
-The cache calls a listener (``CacheCore(..., listener=...)``; the KV event stream,
+The cache calls a listener (``TieredCache(..., listener=...)``; the KV event stream,
 ``lmcache_svc/server/events/node_stream.py``) at the points where its indices change:
 
 - ``chunk_changed(tier, key, True)`` when a chunk becomes loadable in a tier (a commit or

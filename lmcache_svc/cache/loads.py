@@ -11,7 +11,10 @@ from lmcache_svc.cache.values import LeasedSlots
 from lmcache_svc.keys import ChunkKey, Namespace
 
 
-class LoadPath(CacheCore):
+class LoadPath:
+    def __init__(self, core: CacheCore) -> None:
+        self._core = core
+
     def prepare_load(
         self,
         namespace_id: bytes,
@@ -23,18 +26,20 @@ class LoadPath(CacheCore):
     ) -> LeasedSlots:
         """Pin the longest available prefix in the first tier, promoting from lower tiers;
         with ``verify``, only the leading chunks whose bytes match their checksums."""
-        keys = self._keys(namespace_id, chunk_hashes)
-        ns = self.namespace(namespace_id)
+        core = self._core
+        keys = core.namespaces.keys(namespace_id, chunk_hashes)
+        ns = core.namespaces.get(namespace_id)
+        sessions = core.sessions
         # Checked before anything is pinned: a bad ttl must not leave pins behind.
-        s = self.settings
-        deadline = self._sessions.deadline(ttl_s, s.lease_ttl_s, s.max_lease_ttl_s)
-        self._sessions.charge_lease(ns.tenant, session_id, len(keys))  # the tenant's quota
+        s = core.settings
+        deadline = sessions.deadline(ttl_s, s.lease_ttl_s, s.max_lease_ttl_s)
+        sessions.charge_lease(ns.tenant, session_id, len(keys))  # the tenant's quota
         lease: LeasedSlots | None = None
         try:
             lease = self._pin_prefix(keys, ns, session_id, deadline, verify)
         finally:
             if lease is None or lease.lease_id is None:
-                self._sessions.uncharge_lease(ns.tenant, session_id, len(keys))
+                sessions.uncharge_lease(ns.tenant, session_id, len(keys))
         return lease
 
     def _pin_prefix(
@@ -45,30 +50,24 @@ class LoadPath(CacheCore):
         deadline: float,
         verify: bool,
     ) -> LeasedSlots:
-        pinned: list[ChunkKey] = []
-        sources: list[str] = []
-        with self._lock:
-            for key in keys:
-                if not self._index.readable(key):
-                    break
-                self._index.pin(key)
-                self._index.touch(key)
-                pinned.append(key)
-                sources.append(self._first.name)
+        core = self._core
+        with core.lock:
+            pinned = core.slots.pin_prefix(keys)
+        sources = [core.first.name] * len(pinned)
         if len(pinned) < len(keys):
-            promoted, promoted_from = self._first_tier.promote(keys[len(pinned) :], ns.chunk_bytes)
-            self._checksummer.submit(promoted)
+            promoted, promoted_from = core.moves.promote(keys[len(pinned) :], ns.chunk_bytes)
+            core.checksummer.submit(promoted)
             pinned += promoted
             sources += promoted_from
         if verify:
             pinned, sources = self._verified(pinned, sources)
         if not pinned:
             return LeasedSlots(None)
-        with self._lock:
-            lease_id = self._sessions.grant(pinned, session_id, deadline, ns.tenant, len(keys))
-            slots = [self._index.slot_of(k) for k in pinned]
+        with core.lock:
+            lease_id = core.sessions.grant(pinned, session_id, deadline, ns.tenant, len(keys))
+            slots = [core.slots.slot_of(k) for k in pinned]
         for slot, name in zip(slots, sources):
-            self.metrics.bytes_read.labels(tier=name).inc(slot.length)
+            core.metrics.bytes_read.labels(tier=name).inc(slot.length)
         return LeasedSlots(lease_id, slots, sources)
 
     def _verified(
@@ -76,14 +75,12 @@ class LoadPath(CacheCore):
     ) -> tuple[list[ChunkKey], list[str]]:
         """The intact prefix of pinned chunks; the rest are unpinned (a corrupted one is
         dropped, so a later load may promote a good copy from a lower tier)."""
-        num = self._first_tier.verified_prefix(pinned)
-        with self._lock:
-            for key in pinned[num:]:
-                self._first_tier.unpin(key)
+        num = self._core.moves.verified_prefix(pinned)
+        self._core.slots.unpin_all(pinned[num:])
         return pinned[:num], sources[:num]
 
     def release_load(self, lease_id: str) -> bool:
-        return self._sessions.release(lease_id)
+        return self._core.sessions.release(lease_id)
 
     def get(
         self, namespace_id: bytes, chunk_hash: bytes, *, verify: bool = False
@@ -94,6 +91,6 @@ class LoadPath(CacheCore):
         if lease.lease_id is None:
             return None
         try:
-            return bytes(self._first.view(lease.slots[0])), lease.source_tiers[0]
+            return bytes(self._core.first.view(lease.slots[0])), lease.source_tiers[0]
         finally:
             self.release_load(lease.lease_id)

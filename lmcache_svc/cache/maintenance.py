@@ -12,57 +12,64 @@ from lmcache_svc.cache.core import CacheCore
 log = logging.getLogger(__name__)
 
 
-class Maintenance(CacheCore):
+class Maintenance:
+    def __init__(self, core: CacheCore) -> None:
+        self._core = core
+        self._thread: threading.Thread | None = None
+
     def start(self) -> None:
         """Start background maintenance (expiry, watermark eviction) and write-through."""
-        self._maintenance = threading.Thread(
+        self._thread = threading.Thread(
             target=self._maintain, name="lmcache-svc-maintenance", daemon=True
         )
-        self._maintenance.start()
-        self._write_through.start()
-        self._checksummer.start()
+        self._thread.start()
+        self._core.write_through.start()
+        self._core.checksummer.start()
 
     def close(self) -> None:
         """Stop background work, finish queued write-throughs, close every tier."""
-        self._stop.set()
-        self._wake.set()
-        if self._maintenance is not None:
-            self._maintenance.join(timeout=10)
-        self._write_through.stop()
-        self._checksummer.stop()
-        if self.lookup_index is not None:
-            with self._lock:
-                self.lookup_index.close()
-        self._first.close()
-        self._lower.close()
+        core = self._core
+        core.stop.set()
+        core.wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+        core.write_through.stop()
+        core.checksummer.stop()
+        if core.lookup_index is not None:
+            with core.lock:
+                core.lookup_index.close()
+        core.first.close()
+        core.lower.close()
 
     def _maintain(self) -> None:
-        while not self._stop.is_set():
-            self._wake.wait(self.settings.maintenance_interval_s)
-            self._wake.clear()
+        core = self._core
+        while not core.stop.is_set():
+            core.wake.wait(core.settings.maintenance_interval_s)
+            core.wake.clear()
             try:
                 self.reap_expired()
                 self.evict_to_watermark()
-                self._lower.probe_down_tiers()
+                core.lower.probe_down_tiers()
             except Exception:  # keep the thread alive; the error is logged and counted
                 log.exception("maintenance step failed")
-                self.metrics.errors.labels(kind="maintenance").inc()
+                core.metrics.errors.labels(kind="maintenance").inc()
 
     def evict_to_watermark(self) -> int:
         """Evict from the first tier until it is under the low watermark; returns chunks."""
-        first = self._first
-        if first.used_bytes <= self.settings.high_watermark * first.capacity_bytes:
+        first, settings = self._core.first, self._core.settings
+        if first.used_bytes <= settings.high_watermark * first.capacity_bytes:
             return 0
-        target = first.used_bytes - int(self.settings.low_watermark * first.capacity_bytes)
-        return self._first_tier.evict(target)
+        target = first.used_bytes - int(settings.low_watermark * first.capacity_bytes)
+        return self._core.moves.evict(target)
 
     def flush(self, timeout_s: float = 30.0) -> bool:
         """Wait until every queued write-through copy and checksum is done; False on timeout."""
-        return self._checksummer.flush(timeout_s) and self._write_through.flush(timeout_s)
+        core = self._core
+        return core.checksummer.flush(timeout_s) and core.write_through.flush(timeout_s)
 
     def reap_expired(self, now: float | None = None) -> int:
         """Release leases past their deadline and quarantine such reservations; returns
         how many."""
-        num = self._sessions.reap_expired(now)
-        self._update_pending()
+        num = self._core.sessions.reap_expired(now)
+        self._core.update_pending()
         return num

@@ -10,12 +10,17 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from lmcache_svc.cache.core import CacheCore
 from lmcache_svc.cache.stores import StorePath
 from lmcache_svc.errors import InvalidArgument
 from lmcache_svc.keys import ChunkKey
 
 
-class PlaceholderBinding(StorePath):
+class PlaceholderBinding:
+    def __init__(self, core: CacheCore, stores: StorePath) -> None:
+        self._core = core
+        self._stores = stores
+
     def bind_store(
         self,
         namespace_id: bytes,
@@ -35,20 +40,22 @@ class PlaceholderBinding(StorePath):
             raise InvalidArgument(
                 f"{len(chunk_hashes)} chunk hashes but {len(reserved_as)} reserved_as hashes"
             )
-        keys = self._keys(namespace_id, chunk_hashes)
-        metas = self._describe(namespace_id, keys, chunk_hashes, token_ids, parent_hashes)
-        placeholders = self._keys(namespace_id, reserved_as)
+        core = self._core
+        namespaces, slots = core.namespaces, core.slots
+        keys = namespaces.keys(namespace_id, chunk_hashes)
+        metas = namespaces.describe(namespace_id, keys, chunk_hashes, token_ids, parent_hashes)
+        placeholders = namespaces.keys(namespace_id, reserved_as)
         bound: list[ChunkKey] = []
         kept: list[bytes] = []
-        with self._lock:
+        with core.lock:
             for key, placeholder, raw in zip(keys, placeholders, reserved_as):
-                if self._live_reservation(placeholder, session_id) is None:
+                if slots.live_reservation(placeholder, session_id) is None:
                     continue
-                if self._index.busy(key) or self._lower.local_tier(key) is not None:
+                if slots.busy(key) or core.lower.local_tier(key) is not None:
                     kept.append(bytes(raw))
                     continue
-                self._first_tier.rekey(placeholder, key)
+                slots.rekey(placeholder, key)
                 bound.append(key)
             # under the same hold: the reaper cannot expire a rekeyed reservation before
             # its commit (it would stay quarantined under the chunk's own key)
-            return self._commit_keys(bound, session_id, metas), kept
+            return self._stores.commit_keys(bound, session_id, metas), kept

@@ -4,9 +4,10 @@
 most ``max_reserved_fraction`` of the first tier reserved, and a tenant, all its owners
 together, at most ``max_tenant_reserved_fraction``; an owner or tenant holding nothing may
 always reserve one chunk. What is held is what the chunk index counts (``owned_bytes``,
-``tenant_bytes``: quarantined reservations included) plus what requests in progress are
-about to reserve: a request charges its bytes before it reserves and gives the charge back
-when it is done, so concurrent requests never exceed a share together.
+``tenant_bytes``, read through ``FirstTierSlots``: quarantined reservations included) plus
+what requests in progress are about to reserve: a request charges its bytes before it
+reserves and gives the charge back when it is done, so concurrent requests never exceed a
+share together.
 
 A quarantined reservation (expired while its writer may still write into its slot) counts
 against its owner and tenant until it can be reclaimed, and no sooner: when its owner
@@ -30,7 +31,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TypeVar
 
-from lmcache_svc.cache.chunk_index import ChunkIndex
+from lmcache_svc.cache.first_tier_slots import FirstTierSlots
 from lmcache_svc.errors import LeaseLimit, ReservationLimit
 
 K = TypeVar("K")
@@ -38,9 +39,13 @@ K = TypeVar("K")
 
 class ReservationBudget:
     def __init__(
-        self, index: ChunkIndex, capacity_bytes: int, owner_fraction: float, tenant_fraction: float
+        self,
+        slots: FirstTierSlots,
+        capacity_bytes: int,
+        owner_fraction: float,
+        tenant_fraction: float,
     ) -> None:
-        self._index = index
+        self._slots = slots
         self._owner_limit = int(owner_fraction * capacity_bytes)
         # 1: no share of its own (a tenant can never hold more than the whole tier)
         self._tenant_limit = None if tenant_fraction >= 1 else int(tenant_fraction * capacity_bytes)
@@ -49,8 +54,8 @@ class ReservationBudget:
 
     def charge(self, owner: str | None, tenant: str, nbytes: int, chunk_bytes: int) -> None:
         """Charge a request about to reserve ``nbytes``; ``ReservationLimit`` over a share."""
-        owner_held = self._index.owned_bytes(owner) + self._owner_charges.get(owner, 0)
-        tenant_held = self._index.tenant_bytes(tenant) + self._tenant_charges.get(tenant, 0)
+        owner_held = self._slots.owned_bytes(owner) + self._owner_charges.get(owner, 0)
+        tenant_held = self._slots.tenant_bytes(tenant) + self._tenant_charges.get(tenant, 0)
         if owner_held + nbytes > max(self._owner_limit, chunk_bytes):
             who = f"session {owner!r}" if owner else "session-less callers"
             raise ReservationLimit(

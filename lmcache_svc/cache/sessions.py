@@ -4,13 +4,14 @@ A session is a client's stream; when it ends, everything it holds is given back 
 A lease pins a run of chunks for a reader until it is released, its deadline passes or its
 session ends; each tenant's leases are bounded (``quotas.LeaseQuota``). A reservation (a
 not-ready entry in the chunk index, owned by a session) that
-passes its deadline is quarantined (``ChunkIndex.quarantine``: its writer may still be
-writing into the slot, so the slot is not reused) until its owner commits or aborts it or
-its session ends; aborting (freeing) is the cache's (the store side), passed in as
-``abort``, as is ``unpin`` (the first tier's).
+passes its deadline is quarantined (``FirstTierSlots.quarantine_expired``: its writer may
+still be writing into the slot, so the slot is not reused) until its owner commits or aborts
+it or its session ends. Pins and reservations are the first tier's (``FirstTierSlots``, the
+chunk index's owner): a released lease unpins there; aborting a session's reservations is
+passed in as ``abort`` (it also updates the cache's pending-store gauges).
 
-Locking: every method takes the cache's lock (shared, reentrant), exactly where the cache
-took it before this module was split out; ``unpin`` is called with it held, ``abort`` without.
+Locking: every method takes the cache's lock (shared, reentrant); ``FirstTierSlots.unpin``
+is called with it held, ``abort`` without (it takes the lock itself).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from lmcache_svc.cache.chunk_index import ChunkIndex
+from lmcache_svc.cache.first_tier_slots import FirstTierSlots
 from lmcache_svc.cache.quotas import LeaseQuota
 from lmcache_svc.cache.settings import CacheSettings
 from lmcache_svc.errors import InvalidArgument
@@ -41,18 +42,16 @@ class Sessions:
     def __init__(
         self,
         lock: threading.RLock,
-        index: ChunkIndex,
+        slots: FirstTierSlots,
         settings: CacheSettings,
         metrics: Metrics,
         *,
-        unpin: Callable[[ChunkKey], None],
         abort: Callable[[Sequence[ChunkKey]], int],
     ) -> None:
         self._lock = lock
-        self._index = index
+        self._slots = slots
         self._settings = settings
         self._metrics = metrics
-        self._unpin = unpin
         self._abort = abort
         self._leases: dict[str, Lease] = {}
         self._sessions: set[str] = set()
@@ -75,8 +74,8 @@ class Sessions:
         with self._lock:
             self._sessions.discard(session_id)
             lease_ids = [i for i, lease in self._leases.items() if lease.session_id == session_id]
-            owned = [k for k, e in self._index.pending() if e.owner == session_id]
-            quarantined = self._index.quarantined_of(session_id)  # counted when they expired
+            owned = [k for k, e in self._slots.pending() if e.owner == session_id]
+            quarantined = self._slots.quarantined_of(session_id)  # counted when they expired
         for lease_id in lease_ids:
             if self.release(lease_id):
                 self._metrics.expired.labels(what="lease").inc()
@@ -120,7 +119,7 @@ class Sessions:
             if lease is None:
                 return False
             for key in lease.keys:
-                self._unpin(key)
+                self._slots.unpin(key)
             self._quota.give(lease.tenant, lease.session_id is None, 1, len(lease.keys))
             self._metrics.active_leases.set(len(self._leases))
         return True
@@ -151,11 +150,9 @@ class Sessions:
         now = time.monotonic() if now is None else now
         with self._lock:
             lease_ids = [i for i, lease in self._leases.items() if lease.deadline <= now]
-            stale = [(k, e) for k, e in self._index.pending() if e.pins == 0 and e.deadline <= now]
-            for key, entry in stale:
-                self._index.quarantine(key, entry)
+            num_stale = self._slots.quarantine_expired(now)
         for lease_id in lease_ids:
             self.release(lease_id)
         self._metrics.expired.labels(what="lease").inc(len(lease_ids))
-        self._metrics.expired.labels(what="reservation").inc(len(stale))
-        return len(lease_ids) + len(stale)
+        self._metrics.expired.labels(what="reservation").inc(num_stale)
+        return len(lease_ids) + num_stale

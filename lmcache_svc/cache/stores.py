@@ -13,11 +13,9 @@ and write-through copies and wakes maintenance above the high watermark.
 from __future__ import annotations
 
 import secrets
-import time
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
-from lmcache_svc.cache.chunk_index import Entry
 from lmcache_svc.cache.core import CacheCore
 from lmcache_svc.cache.values import PreparedStore, StoreStatus
 from lmcache_svc.errors import ReservationExpired, SizeMismatch
@@ -28,7 +26,10 @@ if TYPE_CHECKING:
     from lmcache_svc.server.events.meta import ChunkMeta
 
 
-class StorePath(CacheCore):
+class StorePath:
+    def __init__(self, core: CacheCore) -> None:
+        self._core = core
+
     def prepare_store(
         self,
         namespace_id: bytes,
@@ -37,37 +38,39 @@ class StorePath(CacheCore):
         session_id: str | None = None,
         ttl_s: float | None = None,
     ) -> list[PreparedStore]:
-        keys = self._keys(namespace_id, chunk_hashes)
-        ns = self.namespace(namespace_id)
+        core = self._core
+        keys = core.namespaces.keys(namespace_id, chunk_hashes)
+        ns = core.namespaces.get(namespace_id)
         nbytes = ns.chunk_bytes
-        s = self.settings
-        deadline = self._sessions.deadline(ttl_s, s.reservation_ttl_s, s.max_reservation_ttl_s)
+        s = core.settings
+        deadline = core.sessions.deadline(ttl_s, s.reservation_ttl_s, s.max_reservation_ttl_s)
         charged = len(keys) * nbytes
-        with self._lock:  # the session's and the tenant's shares (quotas.py)
-            self._reservations.charge(session_id, ns.tenant, charged, nbytes)
+        with core.lock:  # the session's and the tenant's shares (quotas.py)
+            core.reservations.charge(session_id, ns.tenant, charged, nbytes)
         try:
             out: list[PreparedStore] = []
             for key, h in zip(keys, chunk_hashes):
                 status, slot = self._reserve(key, nbytes, session_id, deadline, ns.tenant)
                 out.append(PreparedStore(ChunkHash(bytes(h)), status, slot))
         finally:
-            with self._lock:
-                self._reservations.uncharge(session_id, ns.tenant, charged)
-        self._update_pending()
+            with core.lock:
+                core.reservations.uncharge(session_id, ns.tenant, charged)
+        core.update_pending()
         return out
 
     def _reserve(
         self, key: ChunkKey, nbytes: int, owner: str | None, deadline: float, tenant: str
     ) -> tuple[StoreStatus, Slot | None]:
-        with self._lock:
-            if self._index.readable(key):
-                self._index.touch(key)
+        core = self._core
+        with core.lock:
+            if core.slots.readable(key):
+                core.slots.touch(key)
                 return "already_stored", None
-            if self._index.busy(key):  # reserved, promoting, deleted while pinned, demoting
+            if core.slots.busy(key):  # reserved, promoting, deleted while pinned, demoting
                 return "in_progress", None
-            if self._lower.local_tier(key) is not None:
+            if core.lower.local_tier(key) is not None:
                 return "already_stored", None
-        slot = self._first_tier.allocate(key, nbytes, owner, deadline, tenant)
+        slot = core.moves.allocate(key, nbytes, owner, deadline, tenant)
         return ("reserved", slot) if slot is not None else ("no_space", None)
 
     def commit_store(
@@ -81,57 +84,51 @@ class StorePath(CacheCore):
     ) -> int:
         """Publish reserved chunks; ``token_ids`` and ``parent_hashes`` (optional, checked
         against the hashes) describe them for the KV events (``server/events/meta.py``)."""
-        keys = self._keys(namespace_id, chunk_hashes)
-        metas = self._describe(namespace_id, keys, chunk_hashes, token_ids, parent_hashes)
-        return self._commit_keys(keys, session_id, metas)
+        namespaces = self._core.namespaces
+        keys = namespaces.keys(namespace_id, chunk_hashes)
+        metas = namespaces.describe(namespace_id, keys, chunk_hashes, token_ids, parent_hashes)
+        return self.commit_keys(keys, session_id, metas)
 
-    def _live_reservation(self, key: ChunkKey, owner: str | None) -> Entry | None:
-        """``owner``'s reservation of ``key`` while it may still be committed; one past its
-        deadline is freed (its slot may have been rewritten) and None returned. Lock held."""
-        entry = self._index.entry(key)
-        if entry is None or entry.ready or entry.deleted or entry.owner != owner:
-            return None
-        if entry.expired or entry.deadline <= time.monotonic():
-            if entry.pins == 0:
-                self._first_tier.free(key)
-            return None
-        return entry
-
-    def _commit_keys(
+    def commit_keys(
         self,
         keys: Sequence[ChunkKey],
         session_id: str | None,
         metas: Mapping[ChunkKey, ChunkMeta] | None = None,
     ) -> int:
+        """Publish ``session_id``'s live reservations among ``keys``; how many. Takes the
+        lock; the checksums and write-through copies are queued, maintenance woken above the
+        high watermark."""
+        core = self._core
+        listener, written = core.listener, core.metrics.bytes_written.labels(tier=core.first.name)
         committed: list[ChunkKey] = []
-        with self._lock:
+        with core.lock:
             for key in keys:
-                entry = self._live_reservation(key, session_id)
+                entry = core.slots.live_reservation(key, session_id)
                 if entry is None:
                     continue
-                if metas and self.listener is not None and key in metas:
-                    self.listener.chunk_described(key, metas[key])
-                self._index.mark_ready(key, entry)
-                self._index.touch(key)
-                self.metrics.bytes_written.labels(tier=self._first.name).inc(entry.slot.length)
+                if metas and listener is not None and key in metas:
+                    listener.chunk_described(key, metas[key])
+                core.slots.commit(key, entry)
+                written.inc(entry.slot.length)
                 committed.append(key)
-        self._update_pending()
-        self._checksummer.submit(committed)
-        self._write_through.submit(committed)
-        self._wake_if_above_watermark()
+        core.update_pending()
+        core.checksummer.submit(committed)
+        core.write_through.submit(committed)
+        core.wake_if_above_watermark()
         return len(committed)
 
     def abort_store(
         self, namespace_id: bytes, chunk_hashes: Sequence[bytes], *, session_id: str | None = None
     ) -> int:
-        keys = self._keys(namespace_id, chunk_hashes)
-        with self._lock:
+        core = self._core
+        keys = core.namespaces.keys(namespace_id, chunk_hashes)
+        with core.lock:
             owned = [
                 k
                 for k in keys
-                if (e := self._index.entry(k)) and not e.ready and e.owner == session_id
+                if (e := core.slots.entry(k)) and not e.ready and e.owner == session_id
             ]
-        return self._abort_keys(owned)
+        return core.abort(owned)
 
     def put(
         self,
@@ -144,7 +141,7 @@ class StorePath(CacheCore):
     ) -> str:
         """Store one chunk given inline; returns the prepare status ('reserved' = stored).
         ``token_ids`` and ``parent_hash`` describe it as in ``commit_store``."""
-        ns = self.namespace(namespace_id)
+        ns = self._core.namespaces.get(namespace_id)
         if len(data) != ns.chunk_bytes:
             raise SizeMismatch(
                 f"chunk is {len(data)} bytes; namespace {ns.namespace_id.hex()} stores chunks "
@@ -154,7 +151,7 @@ class StorePath(CacheCore):
         (prepared,) = self.prepare_store(namespace_id, [chunk_hash], session_id=owner)
         if prepared.slot is not None:
             try:
-                self._first.view(prepared.slot)[:] = data
+                self._core.first.view(prepared.slot)[:] = data
             except BaseException:
                 self.abort_store(namespace_id, [chunk_hash], session_id=owner)
                 raise
@@ -178,31 +175,19 @@ class StorePath(CacheCore):
         """True while ``owner`` still holds the chunk's reservation, which is then extended
         to ``deadline`` (never shortened); False once it expired or is gone. A server-side
         writer asks before each write into the slot."""
-        (key,) = make_chunk_keys(self.namespace(namespace_id).namespace_id, [chunk_hash])
-        now = time.monotonic()
-        with self._lock:
-            entry = self._index.entry(key)
-            if entry is None or entry.ready or entry.owner != owner or entry.expired:
-                return False
-            if entry.deadline <= now:
-                return False
-            self._index.extend_deadline(key, deadline)
-            return True
+        core = self._core
+        (key,) = make_chunk_keys(core.namespaces.get(namespace_id).namespace_id, [chunk_hash])
+        with core.lock:
+            return core.slots.renew(key, owner, deadline)
 
     # -- delete ----------------------------------------------------------------------------
 
     def delete(self, namespace_id: bytes, chunk_hashes: Sequence[bytes]) -> int:
         """Remove the chunks from every tier; returns how many were present anywhere."""
+        core = self._core
         num = 0
-        for key in self._keys(namespace_id, chunk_hashes):
-            found = False
-            with self._lock:
-                if self._index.readable(key):
-                    found = True
-                    entry = self._index.entry(key)
-                    if entry is not None and entry.pins:
-                        self._index.mark_deleted(key)
-                    else:
-                        self._first_tier.free(key)
-            num += self._lower.delete(key) or found
+        for key in core.namespaces.keys(namespace_id, chunk_hashes):
+            with core.lock:
+                found = core.slots.delete(key)
+            num += core.lower.delete(key) or found
         return num

@@ -66,7 +66,7 @@ def test_eviction_demotes_to_ssd_and_load_promotes_back(cache_factory) -> None:
     cache.release_load(lease.lease_id)
     # promoting a evicted b (the least recently used) down to the SSD; a stays on SSD too
     assert where(cache, "a", "b") == ["cpu", "ssd"]
-    assert cache.tiers[1].size_of(cache._keys(NS, [make_hash("a")])[0]) == CHUNK
+    assert cache.tiers[1].size_of(cache._core.namespaces.keys(NS, [make_hash("a")])[0]) == CHUNK
     assert cache.metrics.promotions.labels(tier="cpu")._value.get() == 1
     assert cache.metrics.demotions.labels(tier="ssd")._value.get() == 2
 
@@ -166,7 +166,7 @@ def test_write_through_copies_committed_chunks_in_the_background(cache_factory) 
     put(cache, "a", "b")
     assert cache.flush(10)
     ssd = cache.tiers[1]
-    keys = cache._keys(NS, [make_hash("a"), make_hash("b")])
+    keys = cache._core.namespaces.keys(NS, [make_hash("a"), make_hash("b")])
     assert ssd.contains_many(keys) == [True, True]
     assert ssd.get(keys[0]) == make_chunk("a", CHUNK)
     # an evicted chunk already on the SSD is not written again
@@ -276,7 +276,8 @@ def test_the_cache_index_refuses_changes_outside_the_cache_lock_in_this_suite(
     put(cache, "a")
     key = make_chunk_keys(NS, [make_hash("a")])[0]
     with pytest.raises(RuntimeError, match=r"ChunkIndex\.pin called without the cache's lock"):
-        cache._index.pin(key)
-    with cache._lock:
-        cache._index.pin(key)
-        assert cache._index.unpin(key) is False
+        cache._core.slots.pin_prefix([key])
+    with cache._core.lock:
+        assert cache._core.slots.pin_prefix([key]) == [key]
+        cache._core.slots.unpin(key)
+        assert cache._core.slots.entry(key) is None  # at rest again

@@ -94,12 +94,12 @@ def test_a_corrupted_chunk_is_never_written_through(make_cache) -> None:
     (prepared,) = cache.prepare_store(NS_ID, [make_hash("a")], session_id="s")
     view = cache.view(prepared.slot)
     view[:] = chunk("a")
-    cache._checksummer.stop()  # take the checksum before the write-through runs
-    cache._write_through.stop()
+    cache._core.checksummer.stop()  # take the checksum before the write-through runs
+    cache._core.write_through.stop()
     assert cache.commit_store(NS_ID, [make_hash("a")], session_id="s") == 1
-    cache._first_tier.record_checksums(cache._keys(NS_ID, [make_hash("a")]))
+    cache._core.moves.record_checksums(cache._core.namespaces.keys(NS_ID, [make_hash("a")]))
     view[7] ^= 0x01  # the writer keeps writing after its commit
-    cache._first_tier.copy_through(cache._keys(NS_ID, [make_hash("a")]))
+    cache._core.moves.copy_through(cache._core.namespaces.keys(NS_ID, [make_hash("a")]))
     assert lower.num_chunks == 0 and num_corrupted(cache) == 1
     assert cache.get(NS_ID, make_hash("a")) is None  # dropped from the arena too
 
@@ -133,7 +133,7 @@ def test_paced_checksums_are_all_taken_without_a_flush(make_cache) -> None:
     for name in names:
         assert cache.put(NS_ID, make_hash(name), chunk(name)) == "reserved"
         time.sleep(0.05)  # the behaviour under test: commits keep coming, never quiet
-    wait_until(lambda: not cache._checksummer._num_pending, 10, "every checksum taken")
+    wait_until(lambda: not cache._core.checksummer._num_pending, 10, "every checksum taken")
     for name in names:
         corrupt(cache, name)
         assert cache.get(NS_ID, make_hash(name), verify=True) is None
@@ -144,8 +144,8 @@ def test_a_write_through_takes_the_checksum_the_pace_has_not_yet(make_cache) -> 
     cache = make_cache(4, ssd_chunks=4, write_through=True, checksum_quiet_s=60,
                        checksum_max_delay_s=60)  # fmt: skip
     assert cache.put(NS_ID, make_hash("a"), chunk("a")) == "reserved"
-    assert cache._write_through.flush(10)  # the paced checksum is still waiting
-    assert cache._checksummer._num_pending == 1
+    assert cache._core.write_through.flush(10)  # the paced checksum is still waiting
+    assert cache._core.checksummer._num_pending == 1
     corrupt(cache, "a")
     assert cache.get(NS_ID, make_hash("a"), verify=True) is None  # dropped from the arena ...
     assert num_corrupted(cache) == 1

@@ -89,17 +89,17 @@ def test_reservation_ttl_is_capped(make_cache) -> None:
 
 def test_inline_put_that_outlives_its_reservation_raises(make_cache) -> None:
     cache = make_cache(2)
-    real_view = cache._first.view
+    real_view = cache._core.first.view
 
     def view_then_expire(slot):  # the upload's copy runs past the deadline
         out = real_view(slot)
         cache.reap_expired(now=FOREVER)
         return out
 
-    cache._first.view = view_then_expire
+    cache._core.first.view = view_then_expire
     with pytest.raises(ReservationExpired, match="reservation expired"):
         cache.put(NS_ID, make_hash("a"), chunk("a"))
-    cache._first.view = real_view
+    cache._core.first.view = real_view
     assert cache.get(NS_ID, make_hash("a")) is None and cache.tiers[0].used_bytes == 0
 
 

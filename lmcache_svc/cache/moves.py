@@ -1,10 +1,10 @@
-"""The cache's management of its first tier: slots in and out, and chunk moves across tiers.
+"""Chunk moves between the first tier and the lower ones, and the checks on their bytes.
 
-Allocating a slot (evicting to make room), freeing one, dropping a pin, and the three moves
-between the first tier and the lower ones: demotion of evicted chunks, promotion of chunks
-found only below (for a load), and write-through copies of committed chunks. Bulk copies
-run outside the lock, on entries that are pinned, or removed from the index for demotion,
-meanwhile.
+Three moves: demotion of evicted chunks (``evict``), promotion of chunks found only below
+(``promote``, for a load) and write-through copies of committed chunks (``copy_through``).
+Bulk copies run outside the cache's lock, on chunks that are pinned, or removed from the
+index for demotion, meanwhile. Every change to the first tier's index goes through
+``FirstTierSlots``, its owner; this module only decides what moves.
 
 Checksums (``checksums.py``, when enabled): taken in the background after a commit or a
 promotion (``record_checksums``, paced: see background_queue.py), or by a write-through
@@ -12,10 +12,8 @@ copy or a verified load that finds none, checked before bytes leave the arena (d
 write-through) and on a verified load (``verified_prefix``). A chunk that fails is dropped
 and counted (``tier_errors{kind="corrupted"}``), never handed on.
 
-Locking: shares the cache's (reentrant) lock. ``allocate``, ``evict``, ``promote`` and
-``copy_through`` take it themselves and must be called without it (they copy bulk bytes
-outside it); ``free`` and ``unpin`` assume the caller holds it. Entries change only
-through ``ChunkIndex`` methods.
+Locking: every method takes the cache's lock itself, briefly, and must be called without it
+(it copies bulk bytes and calls the lower tiers outside it).
 """
 
 from __future__ import annotations
@@ -24,8 +22,8 @@ import logging
 import threading
 from collections.abc import Sequence
 
-from lmcache_svc.cache.checksums import SlotChecksums, checksum
-from lmcache_svc.cache.chunk_index import ChunkIndex
+from lmcache_svc.cache.checksums import checksum
+from lmcache_svc.cache.first_tier_slots import FirstTierSlots
 from lmcache_svc.cache.lower_tier_manager import LowerTierManager, LowerTierState
 from lmcache_svc.keys import ChunkKey
 from lmcache_svc.metrics import Metrics
@@ -37,23 +35,20 @@ STAGING_BYTES = 64 << 20
 """Most bytes a promotion reads ahead into staging buffers before it makes room for them."""
 
 
-class FirstTierManager:
+class ChunkMoves:
     def __init__(
         self,
         tier: SlotTier,
-        index: ChunkIndex,
+        slots: FirstTierSlots,
         lower: LowerTierManager,
         lock: threading.RLock,
         metrics: Metrics,
-        *,
-        checksums: bool = True,
     ) -> None:
         self._tier = tier
-        self._index = index
+        self._slots = slots
         self._lower = lower
         self._lock = lock
         self._metrics = metrics
-        self._sums = SlotChecksums(tier.segment().size) if checksums else None
 
     def allocate(
         self,
@@ -69,11 +64,10 @@ class FirstTierManager:
         given), evicting to make room unless told not to."""
         while True:
             with self._lock:
-                if self._index.busy(key):
+                if self._slots.busy(key):
                     return None
-                slot = self._tier.allocate(key, nbytes)
+                slot = self._slots.reserve(key, nbytes, owner, deadline, tenant)
                 if slot is not None:
-                    self._index.reserve(key, slot, owner, deadline, tenant)
                     return slot
             if not evict or not self.evict(nbytes):
                 return None
@@ -81,19 +75,13 @@ class FirstTierManager:
     def evict(self, nbytes: int) -> int:
         """Evict least recently used unpinned chunks worth ``nbytes``; returns how many."""
         with self._lock:
-            victims = self._index.least_recent_at_rest(nbytes)
+            victims = self._slots.take_for_demotion(nbytes)
             since = self._lower.delete_count()  # a delete from here on undoes the demotion
-            for key, _ in victims:
-                self._index.remove_for_demotion(key)
         for key, slot in victims:
             view = self._tier.view(slot)
             if self._intact(key, slot, view):
                 self._lower.demote(key, view, since=since)
-        with self._lock:
-            for key, slot in victims:
-                self._index.end_demotion(key)
-                self._clear_sum(slot)
-                self._tier.delete(key)
+        self._slots.end_demotion(victims)
         self._metrics.evictions.labels(tier=self._tier.name).inc(len(victims))
         return len(victims)
 
@@ -106,7 +94,7 @@ class FirstTierManager:
         restarted empty) never costs the arena a chunk."""
         with self._lock:
             num = next(
-                (i for i, k in enumerate(keys) if self._index.busy(k)),
+                (i for i, k in enumerate(keys) if self._slots.busy(k)),
                 len(keys),
             )
         plan = list(zip(keys, self._lower.sources(keys[:num])))
@@ -132,9 +120,7 @@ class FirstTierManager:
         try:
             ok = self._lower.read_up(reserved)
         except BaseException:
-            with self._lock:
-                for key, _, _ in reserved:
-                    self.free(key)
+            self._slots.abort([key for key, _, _ in reserved])
             raise
         return (*self._commit_promoted(reserved, ok), all(ok))
 
@@ -174,22 +160,22 @@ class FirstTierManager:
             for (key, source, _), good in zip(reserved, ok):
                 contiguous = contiguous and good
                 if not good:
-                    self.free(key)
+                    self._slots.free(key)
                     continue
-                entry = self._index.entry(key)
+                entry = self._slots.entry(key)
                 if entry is None:
                     raise RuntimeError(f"promoted chunk {key.hex()} lost its reservation")
-                if contiguous:  # later chunks stay promoted, but only a prefix is leased
-                    self._index.pin(key)
+                # later chunks stay promoted, but only a prefix is leased
+                self._slots.commit(key, entry, pin=contiguous, touch=False)
+                if contiguous:
                     pinned.append(key)
                     sources.append(source.tier.name)
-                self._index.mark_ready(key, entry)
                 self._metrics.promotions.labels(tier=self._tier.name).inc()
         return pinned, sources
 
     def copy_through(self, keys: list[ChunkKey]) -> None:
         """Copy committed chunks to the write-through tiers (runs on the background thread)."""
-        pinned, slots = self._pin_readable(keys)
+        pinned, slots = self._slots.pin_readable(keys)
         try:
             items = [(k, s, self._tier.view(s)) for k, s in zip(pinned, slots)]
             intact = [(k, v) for k, s, v in items if self._intact(k, s, v, condemn=True)]
@@ -197,60 +183,29 @@ class FirstTierManager:
                 self._record_missing(slot, view)
             self._lower.copy_through(intact)
         finally:
-            self._unpin_all(pinned)
-
-    def _pin_readable(self, keys: Sequence[ChunkKey]) -> tuple[list[ChunkKey], list[Slot]]:
-        """Pin the committed chunks among ``keys`` (for a copy outside the lock); their slots."""
-        with self._lock:
-            pinned = [k for k in keys if self._index.readable(k)]
-            for key in pinned:
-                self._index.pin(key)
-            return pinned, [self._index.slot_of(k) for k in pinned]
-
-    def _unpin_all(self, keys: Sequence[ChunkKey]) -> None:
-        with self._lock:
-            for key in keys:
-                self.unpin(key)
-
-    def unpin(self, key: ChunkKey) -> None:
-        """Drop one pin, freeing a chunk deleted while pinned (caller holds the lock)."""
-        if self._index.unpin(key):
-            self.free(key)
-
-    def rekey(self, old: ChunkKey, new: ChunkKey) -> None:
-        """A pooled reservation becomes ``new``'s (caller holds the lock)."""
-        self._index.rekey(old, new)
-        self._tier.rename(old, new)
-
-    def free(self, key: ChunkKey) -> None:
-        """Drop a first-tier entry and its slot (caller holds the lock)."""
-        self._clear_sum(self._index.remove(key))
-        self._tier.delete(key)
+            self._slots.unpin_all(pinned)
 
     # -- checksums -------------------------------------------------------------------------
 
     def record_checksums(self, keys: Sequence[ChunkKey]) -> None:
         """Take the checksums of committed or promoted chunks (on a background thread)."""
-        sums = self._sums
-        if sums is None:
+        slots = self._slots
+        if not slots.checksums_on:
             return
-        pinned, slots = self._pin_readable(keys)
+        pinned, taken = slots.pin_readable(keys)
         try:
-            missing = [s for s in slots if sums.stored(s) is None]  # none taken on the way
-            values = [checksum(self._tier.view(s)) for s in missing]
-            with self._lock:
-                for slot, value in zip(missing, values):
-                    if sums.stored(slot) is None:
-                        sums.record(slot, value)
+            missing = [s for s in taken if slots.stored_checksum(s) is None]  # none on the way
+            for slot in missing:
+                slots.record_checksum(slot, checksum(self._tier.view(slot)))
         finally:
-            self._unpin_all(pinned)
+            slots.unpin_all(pinned)
 
     def verified_prefix(self, keys: Sequence[ChunkKey]) -> int:
         """How many of ``keys`` (pinned) lead with intact bytes; the first chunk that fails
         is dropped (freed when its pins go). A chunk without a checksum gets one now."""
         for num, key in enumerate(keys):
             with self._lock:
-                slot = self._index.slot_of(key)
+                slot = self._slots.slot_of(key)
             view = self._tier.view(slot)
             if not self._intact(key, slot, view, condemn=True):
                 return num
@@ -259,24 +214,17 @@ class FirstTierManager:
 
     def _record_missing(self, slot: Slot, view: memoryview) -> None:
         """Take the checksum of a pinned chunk that has none yet."""
-        if self._sums is not None and self._sums.stored(slot) is None:
-            value = checksum(view)
-            with self._lock:
-                if self._sums.stored(slot) is None:
-                    self._sums.record(slot, value)
+        if self._slots.checksums_on and self._slots.stored_checksum(slot) is None:
+            self._slots.record_checksum(slot, checksum(view))
 
     def _intact(self, key: ChunkKey, slot: Slot, view: memoryview, condemn: bool = False) -> bool:
         """False when the chunk's bytes differ from its checksum (counted; with ``condemn``,
         the chunk, pinned by the caller, is dropped when its last pin goes)."""
-        if self._sums is None or self._sums.check(slot, view) is not False:
+        if self._slots.check(slot, view) is not False:
             return True
         log.error("chunk %s in %s differs from its checksum: dropped", key.hex(), self._tier.name)
         self._metrics.tier_errors.labels(tier=self._tier.name, kind="corrupted").inc()
         if condemn:
             with self._lock:
-                self._index.mark_deleted(key)
+                self._slots.condemn(key)
         return False
-
-    def _clear_sum(self, slot: Slot) -> None:
-        if self._sums is not None:
-            self._sums.clear(slot)
