@@ -44,10 +44,11 @@ from lmcache_svc.server.events.format import (
     HASH_MASK,
     AllBlocksCleared,
     BlockRemoved,
-    BlockStored,
     Locality,
     Medium,
     Pending,
+    StoredWire,
+    token_ids_raw,
 )
 from lmcache_svc.server.events.meta import ChunkMeta, MetaStore, describe_chunks, parent_key
 from lmcache_svc.server.events.metrics import EventMetrics
@@ -91,7 +92,14 @@ class Published:
 def block_hashes(chunk_hash: bytes, num_blocks: int) -> list[int]:
     """This server's hashes of a chunk's blocks."""
     base = int.from_bytes(chunk_hash[:8], "big")
+    if base + num_blocks <= HASH_MASK + 1:  # no wrap (all but 1 in 2**64 / num_blocks)
+        return list(range(base, base + num_blocks))
     return [(base + j) & HASH_MASK for j in range(num_blocks)]
+
+
+def last_block_hash(chunk_hash: bytes, num_blocks: int) -> int:
+    """``block_hashes(chunk_hash, num_blocks)[-1]``."""
+    return (int.from_bytes(chunk_hash[:8], "big") + num_blocks - 1) & HASH_MASK
 
 
 class NodeEvents:
@@ -326,13 +334,14 @@ class NodeEvents:
         self.publisher.close()
 
 
-def _stored(key: ChunkKey, meta: ChunkMeta, pub: Published, view: TierView) -> BlockStored:
+def _stored(key: ChunkKey, meta: ChunkMeta, pub: Published, view: TierView) -> StoredWire:
+    """The chunk's ``BlockStored`` (its token ids encoded once, as msgpack)."""
     n = pub.blocks_per_chunk
-    parent = parent_key(key, meta)
-    return BlockStored(
+    first = meta.parent == key[:NAMESPACE_ID_BYTES]
+    return StoredWire(
         block_hashes=block_hashes(key[NAMESPACE_ID_BYTES:], n),
-        parent_block_hash=None if parent is None else block_hashes(meta.parent, n)[-1],
-        token_ids=meta.token_ids(),
+        parent_block_hash=None if first else last_block_hash(meta.parent, n),
+        token_ids=token_ids_raw(meta.tokens),
         block_size=pub.block_size,
         lora_id=None,
         medium=view.medium,
