@@ -1,0 +1,143 @@
+"""The events' cost on the server's store path, in process (no client, no sockets but the
+publisher's): ``prepare_store`` + ``commit_store`` of chunks with their token ids, on a
+cache with the node event stream and on one without, rounds interleaved.
+
+Measured as CPU time, not wall time (the machines this runs on are often shared):
+
+- the caller's thread (``time.thread_time_ns``) per chunk, min and median over rounds;
+- the publisher thread's CPU per chunk (its thread clock over the whole run, once it has
+  sent everything): the work that competes with the store path for the GIL.
+
+Run: ``python -m lmcache_svc_bench.events_inprocess [--rounds N] [--chunks-per-store K]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from lmcache_svc.cache import TieredCache
+from lmcache_svc.cache.settings import CacheSettings
+from lmcache_svc.keys import KVLayout, Namespace, chunk_hashes
+from lmcache_svc.metrics import Metrics
+from lmcache_svc.server.events.metrics import EventMetrics
+from lmcache_svc.server.events.node_stream import NodeEvents
+from lmcache_svc.server.events.settings import EventsSettings
+from lmcache_svc.shm.arena import Arena
+from lmcache_svc.tiers.cpu import CpuTier
+
+
+@dataclass(frozen=True)
+class Cost:
+    """Nanoseconds of CPU per chunk."""
+
+    off_min: float
+    off_median: float
+    on_min: float
+    on_median: float
+    publisher: float
+
+    def lines(self) -> list[str]:
+        return [
+            f"caller thread, events off: min {self.off_min / 1e3:.2f} us/chunk, "
+            f"median {self.off_median / 1e3:.2f}",
+            f"caller thread, events on:  min {self.on_min / 1e3:.2f} us/chunk, "
+            f"median {self.on_median / 1e3:.2f}",
+            f"caller overhead (medians): {self.on_median / self.off_median - 1:+.1%}",
+            f"publisher thread: {self.publisher / 1e3:.2f} us/chunk",
+            f"caller + publisher vs off (medians): "
+            f"{(self.on_median + self.publisher) / self.off_median - 1:+.1%}",
+        ]
+
+
+def namespace(chunk_tokens: int) -> Namespace:
+    """Small chunks (4 KiB for 256 tokens): the cost measured is the bookkeeping, not the bytes."""
+    layout = KVLayout("bfloat16", 1, 1, 4, 16, "bench")
+    return Namespace(model="events-cost", layout=layout, chunk_size=chunk_tokens)
+
+
+def _cache(ns: Namespace, num_chunks: int, listener: NodeEvents | None) -> TieredCache:
+    arena = Arena.create(2 * num_chunks * ns.chunk_bytes, slab_bytes=1 << 20, prefault="sync")
+    settings = CacheSettings(max_chunks_per_request=4096)
+    cache = TieredCache(CpuTier(arena), settings=settings, listener=listener)
+    cache.register_namespace(ns)
+    return cache
+
+
+def _publisher_cpu_ns(node: NodeEvents) -> int:
+    thread = next(t for t in threading.enumerate() if t.name == "events-pub")
+    assert thread.ident is not None
+    return time.clock_gettime_ns(time.pthread_getcpuclockid(thread.ident))
+
+
+def _drain(node: NodeEvents) -> None:
+    """Wait until the publisher sent everything queued."""
+    while True:
+        with node._lock:
+            done = not node._log.ready and node.publisher._last_sent >= node._log.next_seq - 1
+        if done:
+            return
+        time.sleep(0.01)
+
+
+def measure(rounds: int, chunks_per_store: int, chunk_tokens: int = 256) -> Cost:
+    ns = namespace(chunk_tokens)
+    total = rounds * chunks_per_store
+    work: list[tuple[list[bytes], bytes, list[bytes]]] = []
+    for r in range(rounds):
+        tokens = np.random.default_rng(r).integers(0, 150_000, chunks_per_store * chunk_tokens)
+        hashes = chunk_hashes(ns, tokens)
+        work.append((hashes, tokens.astype("<u4").tobytes(), [b"", *hashes[:-1]]))
+    with tempfile.TemporaryDirectory() as tmp:
+        settings = EventsSettings(
+            enabled=True, endpoint=f"ipc://{tmp}/pub", replay_endpoint=None, node="bench"
+        )
+        node = NodeEvents(settings, EventMetrics(Metrics().registry))
+        caches = {"off": _cache(ns, total, None), "on": _cache(ns, total, node)}
+        times: dict[str, list[int]] = {"off": [], "on": []}
+        try:
+            _drain(node)
+            pub_start = _publisher_cpu_ns(node)
+            for r, (hashes, token_ids, parents) in enumerate(work):
+                for mode in ("off", "on") if r % 2 else ("on", "off"):
+                    cache = caches[mode]
+                    start = time.thread_time_ns()
+                    cache.prepare_store(ns.namespace_id, hashes)
+                    cache.commit_store(
+                        ns.namespace_id, hashes, token_ids=token_ids, parent_hashes=parents
+                    )
+                    times[mode].append(time.thread_time_ns() - start)
+            _drain(node)
+            publisher = _publisher_cpu_ns(node) - pub_start
+        finally:
+            for cache in caches.values():
+                cache.close()
+            node.close()
+    per = {k: [t / chunks_per_store for t in v] for k, v in times.items()}
+    return Cost(
+        min(per["off"]),
+        statistics.median(per["off"]),
+        min(per["on"]),
+        statistics.median(per["on"]),
+        publisher / total,
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=400)
+    parser.add_argument("--chunks-per-store", type=int, default=16)
+    parser.add_argument("--chunk-tokens", type=int, default=256)
+    args = parser.parse_args()
+    cost = measure(args.rounds, args.chunks_per_store, args.chunk_tokens)
+    print("\n".join(cost.lines()))
+
+
+if __name__ == "__main__":
+    main()
