@@ -128,3 +128,36 @@ def test_the_stream_goes_on_normally_after_a_resync(node) -> None:
     expected -= {b for h in kept[:2] for b in block_hashes(h, 1)}
     sub.wait_for(lambda _: view_of(sub.got) == expected)
     assert events.metrics.resyncs._value.get() == 1
+
+
+def test_a_behind_publisher_keeps_the_record_backlog_bounded(node) -> None:
+    cache, events, sub = node
+    stall = StalledSend(events.publisher)
+    store(cache, 0)
+    assert stall.entered.wait(10)
+    backlog = []
+    for seed in range(1, 6 * MAX_PENDING):
+        store(cache, seed)
+        backlog.append(len(events._log.changes))
+    assert max(backlog) <= MAX_PENDING  # each store past the bound applied two records
+    stall.release.set()
+    sub.wait_for(lambda _: events.metrics.resyncs._value.get() == 1)
+
+
+def test_a_store_does_not_wait_for_the_stream_while_its_publisher_is_busy(node) -> None:
+    """The store path only records the change: with the publisher busy (not waiting to be
+    woken) a store completes while another thread holds the stream's lock, and the chunk is
+    announced once the publisher goes on."""
+    cache, events, sub = node
+    stall = StalledSend(events.publisher)
+    store(cache, 0)
+    assert stall.entered.wait(10)
+    stored_hash: list[bytes] = []
+    with events._lock:
+        worker = threading.Thread(target=lambda: stored_hash.append(store(cache, 1)))
+        worker.start()
+        worker.join(10)
+        assert not worker.is_alive(), "the store waited for the stream's lock"
+    stall.release.set()
+    expected = set(block_hashes(stored_hash[0], 1))
+    sub.wait_for(lambda _: expected <= view_of(sub.got))

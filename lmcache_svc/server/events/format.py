@@ -121,7 +121,7 @@ def encode_batch(ts: float, events: list[Pending], dp_rank: int = 0) -> bytes:
     """The msgpack payload of one batch (``data_parallel_rank`` always set: three
     elements)."""
     built = [e if isinstance(e, KVCacheEvent) else e() for e in events]
-    return _ENCODER.encode(KVEventBatch(ts=ts, events=built, data_parallel_rank=dp_rank))
+    return _ENCODER.encode(EventBatch(ts=ts, events=built, data_parallel_rank=dp_rank))
 
 
 def decode_batch(payload: bytes) -> KVEventBatch:
