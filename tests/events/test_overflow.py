@@ -16,6 +16,7 @@ import pytest
 from lmcache_svc.cache import TieredCache
 from lmcache_svc.keys import chunk_hashes
 from lmcache_svc.metrics import Metrics
+from lmcache_svc.server.events import publisher as publisher_module
 from lmcache_svc.server.events.format import AllBlocksCleared, BlockRemoved, BlockStored
 from lmcache_svc.server.events.metrics import EventMetrics
 from lmcache_svc.server.events.node_stream import NodeEvents, block_hashes
@@ -161,3 +162,19 @@ def test_a_store_does_not_wait_for_the_stream_while_its_publisher_is_busy(node) 
     stall.release.set()
     expected = set(block_hashes(stored_hash[0], 1))
     sub.wait_for(lambda _: expected <= view_of(sub.got))
+
+
+def test_a_backlog_applied_in_slices_announces_every_store_in_order(node, monkeypatch) -> None:
+    cache, events, sub = node
+    monkeypatch.setattr(publisher_module, "APPLY_SLICE", 1)
+    stall = StalledSend(events.publisher)
+    first = store(cache, 0)
+    assert stall.entered.wait(10)
+    later = [store(cache, seed) for seed in range(1, MAX_PENDING)]  # a backlog, no overflow
+    assert len(events._log.changes) == len(later)
+    stall.release.set()
+    expected = [block_hashes(h, 1) for h in [first, *later]]
+    sub.wait_for(lambda ev: len([e for e in ev if isinstance(e, BlockStored)]) == len(expected))
+    got = [e.block_hashes for r in sub.got for e in r.batch.events if isinstance(e, BlockStored)]
+    assert got == expected
+    assert events.metrics.resyncs._value.get() == 0

@@ -249,13 +249,14 @@ class ZmqPublisher:
         return self._stop or self._log.ready or (bool(ring) and ring[-1].seq > self._last_sent)
 
     def _apply_backlog(self) -> None:
-        """Apply the records in slices of ``APPLY_SLICE``, the lock released between them,
-        until one slice's worth is left (the flush applies it)."""
-        while True:
+        """Apply the records there are now in slices of ``APPLY_SLICE``, the lock released
+        between them, until less than a slice is left (the flush applies it and whatever
+        came meanwhile: stores that keep coming do not put the flush off)."""
+        todo = len(self._log.changes)
+        while todo > APPLY_SLICE:
             with self._lock:
-                if len(self._log.changes) <= APPLY_SLICE:
-                    return
                 self._log.apply_changes(APPLY_SLICE)
+            todo -= APPLY_SLICE
 
     def _heard_subscriptions(self) -> None:
         """A subscriber (re)connected: tell the owner (it may repeat a restart's clear)."""
