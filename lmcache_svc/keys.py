@@ -236,10 +236,14 @@ def chunk_hash(parent: bytes, token_ids: Sequence[int] | np.ndarray) -> ChunkHas
     return ChunkHash(h.digest())
 
 
+_SEEDED = hashlib.sha256(_CHUNK_SEED)
+"""The hash state after the seed, never updated: ``copy()`` starts each chunk's hash."""
+
+
 def chunk_hash_packed(parent: bytes, packed_token_ids: bytes) -> ChunkHash:
     """``chunk_hash`` of token ids already packed as ``pack_token_ids`` does (little-endian
-    uint32), without unpacking them."""
-    h = hashlib.sha256(_CHUNK_SEED)
+    uint32), without unpacking them (the store path checks a chunk's tokens with it)."""
+    h = _SEEDED.copy()
     h.update(parent)
     h.update(packed_token_ids)
     return ChunkHash(h.digest())

@@ -24,6 +24,7 @@ from lmcache_svc.shm.arena import Arena
 from lmcache_svc.tiers.cpu import CpuTier
 from lmcache_svc.tiers.ssd import SsdTier
 from tests.events.streams import Subscriber, replay, request
+from tests.events.test_overflow import StalledSend
 from tests.helpers import make_chunk, make_layout, make_namespace, wait_until
 
 CHUNK_TOKENS = 32  # two 16-token blocks per chunk
@@ -222,3 +223,22 @@ def test_a_restarted_publisher_numbers_on_above_the_old_one() -> None:
     old.add(b"t", [AllBlocksCleared()])
     last = old.flush()  # one batch: numbered with the start-up time itself
     assert EventLog(buffer_steps=8, max_pending=8, resync=dict).next_seq > last
+
+
+def test_a_snapshot_covers_changes_the_publisher_has_not_applied_yet(node) -> None:
+    cache, events, sub = node
+    stall = StalledSend(events.publisher)
+    first = store(cache, tokens_of(8, 1))
+    assert stall.entered.wait(10)  # the publisher is stuck sending; nothing applies the next
+    second = store(cache, tokens_of(9, 1))
+    assert len(events._log.changes) == 1
+    got, _ = request(events.publisher.replay_endpoint, b"snapshot:" + TOPIC)
+    snap = [e for r in got for e in r.batch.events]
+    assert sorted(e.block_hashes for e in snap) == sorted(
+        block_hashes(h, 2) for h in first + second
+    )
+    stall.release.set()
+    events_seen = sub.wait_for(lambda ev: len(stored(ev, "CPU")) == 2)
+    assert [e.block_hashes for e in stored(events_seen, "CPU")] == [
+        block_hashes(h, 2) for h in first + second
+    ]

@@ -16,6 +16,7 @@ import pytest
 from lmcache_svc.cache import TieredCache
 from lmcache_svc.keys import chunk_hashes
 from lmcache_svc.metrics import Metrics
+from lmcache_svc.server.events import publisher as publisher_module
 from lmcache_svc.server.events.format import AllBlocksCleared, BlockRemoved, BlockStored
 from lmcache_svc.server.events.metrics import EventMetrics
 from lmcache_svc.server.events.node_stream import NodeEvents, block_hashes
@@ -128,3 +129,52 @@ def test_the_stream_goes_on_normally_after_a_resync(node) -> None:
     expected -= {b for h in kept[:2] for b in block_hashes(h, 1)}
     sub.wait_for(lambda _: view_of(sub.got) == expected)
     assert events.metrics.resyncs._value.get() == 1
+
+
+def test_a_behind_publisher_keeps_the_record_backlog_bounded(node) -> None:
+    cache, events, sub = node
+    stall = StalledSend(events.publisher)
+    store(cache, 0)
+    assert stall.entered.wait(10)
+    backlog = []
+    for seed in range(1, 6 * MAX_PENDING):
+        store(cache, seed)
+        backlog.append(len(events._log.changes))
+    assert max(backlog) <= MAX_PENDING  # each store past the bound applied two records
+    stall.release.set()
+    sub.wait_for(lambda _: events.metrics.resyncs._value.get() == 1)
+
+
+def test_a_store_does_not_wait_for_the_stream_while_its_publisher_is_busy(node) -> None:
+    """The store path only records the change: with the publisher busy (not waiting to be
+    woken) a store completes while another thread holds the stream's lock, and the chunk is
+    announced once the publisher goes on."""
+    cache, events, sub = node
+    stall = StalledSend(events.publisher)
+    store(cache, 0)
+    assert stall.entered.wait(10)
+    stored_hash: list[bytes] = []
+    with events._lock:
+        worker = threading.Thread(target=lambda: stored_hash.append(store(cache, 1)))
+        worker.start()
+        worker.join(10)
+        assert not worker.is_alive(), "the store waited for the stream's lock"
+    stall.release.set()
+    expected = set(block_hashes(stored_hash[0], 1))
+    sub.wait_for(lambda _: expected <= view_of(sub.got))
+
+
+def test_a_backlog_applied_in_slices_announces_every_store_in_order(node, monkeypatch) -> None:
+    cache, events, sub = node
+    monkeypatch.setattr(publisher_module, "APPLY_SLICE", 1)
+    stall = StalledSend(events.publisher)
+    first = store(cache, 0)
+    assert stall.entered.wait(10)
+    later = [store(cache, seed) for seed in range(1, MAX_PENDING)]  # a backlog, no overflow
+    assert len(events._log.changes) == len(later)
+    stall.release.set()
+    expected = [block_hashes(h, 1) for h in [first, *later]]
+    sub.wait_for(lambda ev: len([e for e in ev if isinstance(e, BlockStored)]) == len(expected))
+    got = [e.block_hashes for r in sub.got for e in r.batch.events if isinstance(e, BlockStored)]
+    assert got == expected
+    assert events.metrics.resyncs._value.get() == 0

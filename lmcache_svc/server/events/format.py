@@ -8,6 +8,12 @@ vLLM's classes in ``tests/events``); the server does not depend on vLLM.
 
 Block hashes are ints (vLLM's default, ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1``): the low
 64 bits of a hash, unsigned.
+
+A ``BlockStored`` is sent as ``StoredWire``: the same tag and fields, its ``token_ids``
+already msgpack (``token_ids_raw``: an array of uint32-format ints, 5 bytes per token,
+built from the packed tokens in one numpy copy instead of a Python list of ints; msgpack
+lets any int take a wider format than the smallest, and decoders, vLLM's ``msgspec`` one
+among them, read it as the same list of ints).
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ from collections.abc import Callable
 from typing import Any, Literal
 
 import msgspec
+import numpy as np
 
 Medium = Literal["GPU", "CPU", "STORAGE"]
 Locality = Literal["LOCAL", "REMOTE"]
@@ -61,10 +68,45 @@ class AllBlocksCleared(KVCacheEvent):
     pass
 
 
-Event = BlockStored | BlockRemoved | AllBlocksCleared
+class StoredWire(KVCacheEvent, tag="BlockStored"):
+    """How this server encodes a ``BlockStored``: ``token_ids`` is msgpack already
+    (``token_ids_raw``); the other fields, and what a decoder reads, are ``BlockStored``'s."""
+
+    block_hashes: list[int]
+    parent_block_hash: int | None
+    token_ids: msgspec.Raw
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+    lora_name: str | None
+    locality: str | None = None
+
+
+_UINT32_ITEM = np.dtype([("marker", "u1"), ("value", ">u4")])
+"""One msgpack uint32: the 0xce marker, then the value big-endian."""
+
+
+def token_ids_raw(packed: bytes) -> msgspec.Raw:
+    """Token ids packed as little-endian uint32 as a msgpack array of ints (each in the
+    5-byte uint32 format)."""
+    ids = np.frombuffer(packed, "<u4")
+    n = len(ids)
+    if n < 16:
+        header = bytes([0x90 | n])
+    elif n <= 0xFFFF:
+        header = b"\xdc" + n.to_bytes(2, "big")
+    else:
+        header = b"\xdd" + n.to_bytes(4, "big")
+    items = np.empty(n, _UINT32_ITEM)
+    items["marker"] = 0xCE
+    items["value"] = ids
+    return msgspec.Raw(header + items.tobytes())
+
+
+Event = BlockStored | StoredWire | BlockRemoved | AllBlocksCleared
 Pending = Event | Callable[[], Event]
 """An event, or how to build it: the store path queues the cheap recipe, the publisher's
-thread builds the event (token ids as a list, hashes) off that path."""
+thread builds the event (token ids as msgpack, hashes) off that path."""
 
 
 class KVEventBatch(EventBatch):
@@ -79,7 +121,7 @@ def encode_batch(ts: float, events: list[Pending], dp_rank: int = 0) -> bytes:
     """The msgpack payload of one batch (``data_parallel_rank`` always set: three
     elements)."""
     built = [e if isinstance(e, KVCacheEvent) else e() for e in events]
-    return _ENCODER.encode(KVEventBatch(ts=ts, events=built, data_parallel_rank=dp_rank))
+    return _ENCODER.encode(EventBatch(ts=ts, events=built, data_parallel_rank=dp_rank))
 
 
 def decode_batch(payload: bytes) -> KVEventBatch:

@@ -36,9 +36,6 @@ class ChunkMeta:
     tokens: bytes
     """The chunk's token ids, little-endian uint32."""
 
-    def token_ids(self) -> list[int]:
-        return list(memoryview(self.tokens).cast("I")) if self.tokens else []
-
 
 def describe_chunks(
     namespace: Namespace,

@@ -20,13 +20,25 @@ Identity in the event (vLLM's fields):
   filled in; only tensor-parallel rank 0's namespaces are published (rank 0's chunks stand
   for the engine's), and, when ``events.tenants`` is set, only those tenants'.
 
+The store path pays little: ``chunk_changed`` (called by the cache, under its locks) appends a
+record ``(tier, view, published, key, loadable)`` to the log's ``changes`` and takes this
+stream's lock only to wake an idle publisher thread; that thread applies the records in
+order (``_apply``: the per-tier sets, the checks above, the event's recipe) before it
+numbers the batch, and builds the events (``_stored``: block hashes, token ids encoded as
+msgpack from the packed tokens) when it encodes them. Whatever reads the sets (snapshots,
+resyncs, ``tier_contents``, a new subscriber) applies the pending records first, so the
+order of stores and removals per chunk, and what is announced, are those of the calls. A
+publisher that falls ``max_pending`` records behind makes each caller apply
+``HELP_PER_RECORD`` of them per record it adds (``publisher.py``).
+
 The first time a topic is used after start-up its stream begins with ``AllBlocksCleared``
 (a restarted server announces that what it published before is gone); the same happens,
 followed by a full re-announcement, when the pending queue overflowed (events dropped): the
 publisher builds that resync once, on its own thread, from what is announced when it
 catches up (``_resync_locked``), so no removal is lost with the dropped queue. It is built
-under this stream's lock, which ``chunk_changed`` takes under the cache's: while it is built
-(once per overflow, in time proportional to what is announced) cache operations wait.
+under this stream's lock, which callers take under the cache's only to wake the publisher,
+to read the sets or when the publisher is behind: such a caller waits while it is built
+(once per overflow, in time proportional to what is announced).
 """
 
 from __future__ import annotations
@@ -44,10 +56,11 @@ from lmcache_svc.server.events.format import (
     HASH_MASK,
     AllBlocksCleared,
     BlockRemoved,
-    BlockStored,
     Locality,
     Medium,
     Pending,
+    StoredWire,
+    token_ids_raw,
 )
 from lmcache_svc.server.events.meta import ChunkMeta, MetaStore, describe_chunks, parent_key
 from lmcache_svc.server.events.metrics import EventMetrics
@@ -62,6 +75,9 @@ log = logging.getLogger(__name__)
 
 SNAPSHOT_BATCH = 512
 """Events per batch of a snapshot answer."""
+HELP_PER_RECORD = 2
+"""Records a caller applies per record it adds while the publisher is ``max_pending``
+records behind."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,10 +104,22 @@ class Published:
     namespace: Namespace
 
 
+Change = tuple[str, TierView, Published, ChunkKey, bool]
+"""A chunk became loadable (True) or stopped being so in a tier: tier name, its view, the
+namespace's publication, the key."""
+
+
 def block_hashes(chunk_hash: bytes, num_blocks: int) -> list[int]:
     """This server's hashes of a chunk's blocks."""
     base = int.from_bytes(chunk_hash[:8], "big")
+    if base + num_blocks <= HASH_MASK + 1:  # no wrap (all but 1 in 2**64 / num_blocks)
+        return list(range(base, base + num_blocks))
     return [(base + j) & HASH_MASK for j in range(num_blocks)]
+
+
+def last_block_hash(chunk_hash: bytes, num_blocks: int) -> int:
+    """``block_hashes(chunk_hash, num_blocks)[-1]``."""
+    return (int.from_bytes(chunk_hash[:8], "big") + num_blocks - 1) & HASH_MASK
 
 
 class NodeEvents:
@@ -106,7 +134,9 @@ class NodeEvents:
         self._topics: dict[bytes, NamespaceId] = {}
         self._views: dict[str, TierView | None] = {}
         self._announced: dict[str, set[ChunkKey]] = {}
-        self._log = EventLog(settings.buffer_steps, settings.max_pending, self._resync_locked)
+        self._log: EventLog[Change] = EventLog(
+            settings.buffer_steps, settings.max_pending, self._resync_locked, self._apply
+        )
         self._channel: RedisChannel | None = None
         self.publisher = ZmqPublisher(
             settings.endpoint,
@@ -151,6 +181,7 @@ class NodeEvents:
         router that reconnects to a restarted server hears of the restart, even if it missed
         the first one."""
         with self._lock:
+            self._log.apply_changes()
             held = {self._topic_of_key(k) for keys in self._announced.values() for k in keys}
             for topic in self._topics:
                 if topic not in held:
@@ -171,7 +202,7 @@ class NodeEvents:
             return
         if tier.shared and self._channel is not None:  # tell the other servers
             self._channel.announce(key, self._meta.get(key), loadable)
-        self._update(tier, view, pub, key, loadable)
+        self._record((tier.name, view, pub, key, loadable))
 
     def attach_channel(self, channel: RedisChannel) -> None:
         self._channel = channel
@@ -192,25 +223,36 @@ class NodeEvents:
             except InvalidArgument:
                 return False
             self._meta.put(key, checked)
-        self._update(tier, view, pub, key, meta is not None)
+        self._record((tier.name, view, pub, key, meta is not None))
         return True
 
-    def _update(
-        self, tier: Tier, view: TierView, pub: Published, key: ChunkKey, loadable: bool
-    ) -> None:
-        with self._lock:
-            announced = self._announced.setdefault(tier.name, set())
-            if not loadable:
-                if key in announced:
-                    announced.discard(key)
-                    self._queue(pub.topic, [partial(_removed, key, pub, view)])
-                return
+    def _record(self, change: Change) -> None:
+        """Queue a change for the publisher's thread; wake it if it waits (``idle``), help
+        it if it is behind."""
+        changes = self._log.changes
+        changes.append(change)
+        if len(changes) > self._log.max_pending:
+            with self._lock:
+                self._log.apply_changes(HELP_PER_RECORD)
+        if self.publisher.idle:
+            with self._lock:
+                self.publisher.wake()
+
+    def _apply(self, change: Change) -> None:
+        """A change's effect on the announced sets and the events (lock held)."""
+        tier_name, view, pub, key, loadable = change
+        announced = self._announced.setdefault(tier_name, set())
+        if not loadable:
             if key in announced:
-                return
-            event = self._stored_locked(key, pub, view)
-            if event is not None:
-                announced.add(key)
-                self._queue(pub.topic, [event])
+                announced.discard(key)
+                self._queue(pub.topic, [partial(_removed, key, pub, view)])
+            return
+        if key in announced:
+            return
+        event = self._stored_locked(key, pub, view)
+        if event is not None:
+            announced.add(key)
+            self._queue(pub.topic, [event])
 
     def tier_contents(self, tier: Tier, keys: Iterable[ChunkKey] | None) -> None:
         """The tier now holds exactly ``keys`` (a resync), or nothing loadable (``None``:
@@ -220,6 +262,7 @@ class NodeEvents:
             return
         held = set(keys) if keys is not None else set()
         with self._lock:
+            self._log.apply_changes()
             announced = self._announced.setdefault(tier.name, set())
             for key in [k for k in announced if k not in held]:
                 announced.discard(key)
@@ -313,7 +356,8 @@ class NodeEvents:
         if dropped and not due:
             log.warning("events: %d events dropped (queue full); resyncing subscribers", dropped)
             self.metrics.resyncs.inc()
-        self.publisher.wake()
+        if self.publisher.idle:
+            self.publisher.wake()
 
     def _resync_locked(self) -> dict[bytes, list[Pending]]:
         """What replaces a dropped queue: per topic, a clear and every chunk announced now
@@ -326,13 +370,14 @@ class NodeEvents:
         self.publisher.close()
 
 
-def _stored(key: ChunkKey, meta: ChunkMeta, pub: Published, view: TierView) -> BlockStored:
+def _stored(key: ChunkKey, meta: ChunkMeta, pub: Published, view: TierView) -> StoredWire:
+    """The chunk's ``BlockStored`` (its token ids encoded once, as msgpack)."""
     n = pub.blocks_per_chunk
-    parent = parent_key(key, meta)
-    return BlockStored(
+    first = meta.parent == key[:NAMESPACE_ID_BYTES]
+    return StoredWire(
         block_hashes=block_hashes(key[NAMESPACE_ID_BYTES:], n),
-        parent_block_hash=None if parent is None else block_hashes(meta.parent, n)[-1],
-        token_ids=meta.token_ids(),
+        parent_block_hash=None if first else last_block_hash(meta.parent, n),
+        token_ids=token_ids_raw(meta.tokens),
         block_size=pub.block_size,
         lora_id=None,
         medium=view.medium,

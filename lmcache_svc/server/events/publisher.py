@@ -18,15 +18,20 @@ The replay socket (a ZMQ ROUTER) answers two requests:
   current sequence (8 bytes): a subscriber that sees another epoch knows the server
   restarted.
 
-Slow subscribers never slow the store path: callers only append to ``EventLog``, which is
-bounded: an event that would take it past ``max_pending`` drops the queue instead (the owner
-counts the drop) and marks a resync due; until the publisher's next flush nothing more is
-queued, and that flush, on the publisher's thread, numbers one resync per topic (the
-owner's ``resync``: ``AllBlocksCleared`` and everything announced then, see
-``node_stream.py``) in place of what was dropped. vLLM's own publisher blocks the caller
-on a full queue instead; a store path must not wait for a subscriber. The publisher thread
-sends with ZMQ's own per-subscriber high-water mark (a subscriber that does not read
-loses messages, sees the sequence jump and asks the replay socket).
+Slow subscribers never slow the store path: callers only append the owner's records of
+what changed to ``EventLog.changes`` (no lock); the publisher's thread turns them into
+events (the owner's ``apply``, lock held) before it numbers them. Both queues are bounded
+by ``max_pending``: past it, each new record makes its caller apply two (the publisher fell
+behind: the backlog shrinks without one caller paying for all of it), and an event that
+would take the pending events past it drops them instead (the owner counts the drop) and
+marks a resync due; until the publisher's next flush no event is queued (records are still
+applied: they keep the owner's view of the tiers), and that flush, on the publisher's
+thread, numbers one resync per topic (the owner's ``resync``: ``AllBlocksCleared`` and
+everything announced then, see ``node_stream.py``) in place of what was dropped. vLLM's
+own publisher blocks the caller on a full queue instead; a store path must not wait for a
+subscriber. The publisher thread sends with ZMQ's own per-subscriber high-water mark (a
+subscriber that does not read loses messages, sees the sequence jump and asks the replay
+socket).
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Generic, TypeVar
 
 import zmq
 
@@ -55,6 +61,10 @@ SnapshotFn = Callable[[bytes], tuple[int, list[list[Pending]]]]
 """topic -> (sequence covered, batches of events)."""
 ResyncFn = Callable[[], dict[bytes, list[Pending]]]
 """The events that replace a dropped queue, per topic (called under the owner's lock)."""
+APPLY_SLICE = 1024
+"""Records the publisher applies per hold of the lock before a flush (a long backlog does not
+hold the lock for all of its time)."""
+C = TypeVar("C")
 
 
 @dataclass(slots=True)
@@ -78,12 +88,19 @@ class _Batch:
         return payload
 
 
-class EventLog:
-    """Pending events per topic and the buffer of numbered batches. Not locked itself: the
-    owner (``NodeEvents``) calls it under its lock; the publisher's threads copy out of it
-    under that same lock."""
+class EventLog(Generic[C]):
+    """The owner's records of what changed, pending events per topic and the buffer of
+    numbered batches. ``changes`` takes appends from any thread without a lock (a deque:
+    order kept); the rest is not locked itself: the owner (``NodeEvents``) calls it under
+    its lock; the publisher's threads copy out of it under that same lock."""
 
-    def __init__(self, buffer_steps: int, max_pending: int, resync: ResyncFn) -> None:
+    def __init__(
+        self,
+        buffer_steps: int,
+        max_pending: int,
+        resync: ResyncFn,
+        apply: Callable[[C], None] = lambda change: None,
+    ) -> None:
         # Microseconds since the epoch: a restarted server goes on above where it stopped
         # (subscribers that drop batches older than the last they saw, as Dynamo's indexer
         # does, would otherwise ignore a restarted server until it caught up).
@@ -94,11 +111,20 @@ class EventLog:
         self.ring: deque[_Batch] = deque(maxlen=buffer_steps)
         self._resync = resync
         self.resync_due = False
+        self.changes: deque[C] = deque()
+        self._apply = apply
 
     @property
     def ready(self) -> bool:
         """Something to flush."""
-        return self.resync_due or self.num_pending > 0
+        return self.resync_due or self.num_pending > 0 or bool(self.changes)
+
+    def apply_changes(self, limit: int | None = None) -> None:
+        """Turn the oldest records (all, or up to ``limit``) into events, in order (lock
+        held)."""
+        changes, apply = self.changes, self._apply
+        for _ in range(len(changes) if limit is None else min(limit, len(changes))):
+            apply(changes.popleft())
 
     def add(self, topic: bytes, events: list[Pending]) -> int:
         """Queue events; the number of events dropped: 0 when queued, else the queue and
@@ -117,8 +143,9 @@ class EventLog:
         return 0
 
     def flush(self) -> int:
-        """Number the pending events (one batch per topic), or the resync that replaces
-        them; returns the last sequence assigned (``next_seq - 1``)."""
+        """Apply every record, then number the pending events (one batch per topic), or the
+        resync that replaces them; returns the last sequence assigned (``next_seq - 1``)."""
+        self.apply_changes()
         if self.resync_due:
             self._pending = self._resync()
             self.resync_due = False
@@ -150,7 +177,7 @@ class ZmqPublisher:
         replay_endpoint: str | None,
         *,
         lock: threading.Lock,
-        log_: EventLog,
+        log_: EventLog[C],
         snapshot: SnapshotFn,
         hwm: int = 100_000,
         on_sent: Callable[[int], None] = lambda n: None,
@@ -176,6 +203,11 @@ class ZmqPublisher:
             self._replay.setsockopt(zmq.LINGER, 0)
             self.replay_endpoint = _bind(self._replay, replay_endpoint, "events.replay_endpoint")
         self._wake = threading.Condition(lock)
+        self.idle = False
+        """True while the publisher thread waits (or is about to) for something to send:
+        set and cleared under the lock; a caller that added a record and then reads it true
+        wakes the thread (``wake``), one that reads it false need not (the thread has not
+        yet looked, or is awake and looks again before it waits)."""
         self._stop = False
         self._last_sent = -1
         self._threads = [threading.Thread(target=self._run_pub, name="events-pub", daemon=True)]
@@ -194,11 +226,14 @@ class ZmqPublisher:
         while True:
             self._heard_subscriptions()
             with self._lock:
-                if not self._stop and not self._log.ready:
+                if not self._has_work():
+                    self.idle = True
                     self._wake.wait(SUBSCRIPTION_POLL_S)
-                if not self._stop and not self._log.ready:
+                    self.idle = False
+                if not self._has_work():
                     continue
             time.sleep(LINGER_S)  # let a store's other chunks join the batch
+            self._apply_backlog()
             with self._lock:
                 self._log.flush()
                 batches = self._log.since(self._last_sent + 1)
@@ -206,6 +241,22 @@ class ZmqPublisher:
             self._send(batches)
             if stop:
                 return
+
+    def _has_work(self) -> bool:
+        """Stopping, something to flush, or a batch numbered but not sent (a snapshot's
+        flush numbers what was pending; lock held)."""
+        ring = self._log.ring
+        return self._stop or self._log.ready or (bool(ring) and ring[-1].seq > self._last_sent)
+
+    def _apply_backlog(self) -> None:
+        """Apply the records there are now in slices of ``APPLY_SLICE``, the lock released
+        between them, until less than a slice is left (the flush applies it and whatever
+        came meanwhile: stores that keep coming do not put the flush off)."""
+        todo = len(self._log.changes)
+        while todo > APPLY_SLICE:
+            with self._lock:
+                self._log.apply_changes(APPLY_SLICE)
+            todo -= APPLY_SLICE
 
     def _heard_subscriptions(self) -> None:
         """A subscriber (re)connected: tell the owner (it may repeat a restart's clear)."""

@@ -40,7 +40,8 @@ class EventsSettings(BaseModel):
     """Batches kept for the replay socket."""
     max_pending: int = Field(100_000, ge=1)
     """Events queued for the publisher thread at most; past it they are dropped (counted)
-    and every topic is cleared and announced again."""
+    and every topic is cleared and announced again. Also bounds the tier changes recorded
+    for the publisher thread and not yet applied: past it each store applies two."""
     max_chunks: int = Field(262_144, ge=1)
     """Chunks whose token ids are kept (about 4 bytes per token plus ~150 bytes each);
     the least recently stored are forgotten first."""
