@@ -110,3 +110,44 @@ def test_background_tasks_count_their_cpu_time_not_their_waits() -> None:
         stats.cpu_timed(lambda: 1 / 0)
     failed = stats.take()
     assert failed is not None and failed["background_cpu_ns"] > 0  # counted when it raises
+
+
+def test_with_tracing_on_every_hook_marks_its_entry_and_exit(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """``LMCACHE_SVC_VLLM_TRACE`` (read at import, so in a fresh interpreter): a timed hook
+    writes ``name>`` and ``name<`` (also when it raises) and still counts its time."""
+    import os
+    import subprocess
+    import sys
+
+    trace_file = tmp_path / "trace.txt"
+    script = (
+        "from lmcache_svc_vllm.hooks import HookClock, timed\n"
+        "class H:\n"
+        "    def __init__(self): self.hook_clock = HookClock()\n"
+        "    @timed\n"
+        "    def ok(self): return 1\n"
+        "    @timed\n"
+        "    def bad(self): raise RuntimeError('x')\n"
+        "h = H(); h.ok()\n"
+        "try:\n    h.bad()\nexcept RuntimeError:\n    pass\n"
+        "assert h.hook_clock.calls == 2, h.hook_clock.calls\n"
+    )
+    env = {
+        **os.environ,
+        "LMCACHE_SVC_VLLM_TRACE": str(trace_file),
+        "PYTHONPATH": os.pathsep.join(p for p in sys.path if p),
+    }
+    subprocess.run([sys.executable, "-c", script], env=env, check=True, timeout=60)
+    names = [line.split(" ", 2)[2] for line in trace_file.read_text().splitlines()]
+    assert names == ["ok>", "ok<", "bad>", "bad<"]
+    stamps = [int(line.split(" ", 1)[0]) for line in trace_file.read_text().splitlines()]
+    assert stamps == sorted(stamps)
+
+
+def test_with_tracing_off_nothing_is_written(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    from lmcache_svc_vllm import trace
+
+    monkeypatch.chdir(tmp_path)
+    assert not trace.enabled  # the suite runs without LMCACHE_SVC_VLLM_TRACE
+    trace.mark("nothing")
+    assert list(tmp_path.iterdir()) == []

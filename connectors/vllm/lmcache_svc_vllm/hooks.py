@@ -50,8 +50,6 @@ class HasHookClock(Protocol):
 def timed(method: F) -> F:
     """Count a hook's wall time (also when it raises) in ``self.hook_clock``; with tracing
     on (``trace.py``), also mark its entry and exit."""
-    if trace.enabled:
-        return _traced(method)
 
     @functools.wraps(method)
     def wrapper(self: HasHookClock, *args: Any, **kwargs: Any) -> Any:
@@ -63,22 +61,18 @@ def timed(method: F) -> F:
             clock.ns += perf_counter_ns() - start
             clock.calls += 1
 
-    return wrapper  # type: ignore[return-value]
+    return _traced(wrapper) if trace.enabled else wrapper  # type: ignore[return-value]
 
 
 def _traced(method: F) -> F:
     entry, leave = f"{method.__name__}>", f"{method.__name__}<"
 
     @functools.wraps(method)
-    def wrapper(self: HasHookClock, *args: Any, **kwargs: Any) -> Any:
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
         trace.mark(entry)
-        start = perf_counter_ns()
         try:
-            return method(self, *args, **kwargs)
+            return method(*args, **kwargs)
         finally:
-            clock = self.hook_clock
-            clock.ns += perf_counter_ns() - start
-            clock.calls += 1
             trace.mark(leave)
 
     return wrapper  # type: ignore[return-value]
