@@ -28,6 +28,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
+import numpy as np
 import torch
 
 from lmcache_svc_vllm.layout import KVPages, runs_of
@@ -79,7 +80,7 @@ class PageMover:
         # of overhead against torch's 5-7 us, which is most of a small page's copy time.
         # (Synchronous copies only: another stream is a device's, or a test's recording one.)
         host = device.type == "cpu" and isinstance(stream, SyncStream)
-        self._host = [kv.numpy() for kv in pages.layers] if host else None
+        self._host = _numpy_views(pages.layers) if host else None
 
     # -- saves ---------------------------------------------------------------------------
 
@@ -166,6 +167,14 @@ class PageMover:
             offset += n
         kv.index_copy_(0, torch.tensor(ids, dtype=torch.long, device=kv.device), staged)
         return self.stream.record()
+
+
+def _numpy_views(layers: Sequence[torch.Tensor]) -> list[np.ndarray] | None:
+    """numpy arrays over the layers' memory; None (copy with torch) where torch refuses."""
+    try:
+        return [kv.numpy() for kv in layers]
+    except (RuntimeError, TypeError):
+        return None
 
 
 def _is_run(block_ids: Sequence[int]) -> bool:
