@@ -151,3 +151,25 @@ def test_with_tracing_off_nothing_is_written(tmp_path, monkeypatch) -> None:  # 
     assert not trace.enabled  # the suite runs without LMCACHE_SVC_VLLM_TRACE
     trace.mark("nothing")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_trace_file_that_cannot_be_opened_leaves_tracing_off(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A bad ``LMCACHE_SVC_VLLM_TRACE`` (a directory, a missing parent) never stops the
+    plugin from importing: one warning names the file, and no marks are written."""
+    import os
+    import subprocess
+    import sys
+
+    script = "from lmcache_svc_vllm import trace\nassert not trace.enabled\ntrace.mark('x')\n"
+    for bad in (tmp_path, tmp_path / "missing" / "trace.txt"):
+        env = {
+            **os.environ,
+            "LMCACHE_SVC_VLLM_TRACE": str(bad),
+            "PYTHONPATH": os.pathsep.join(p for p in sys.path if p),
+        }
+        done = subprocess.run(
+            [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=60
+        )
+        assert done.returncode == 0, done.stderr
+        assert "cannot be opened" in done.stderr and str(bad) in done.stderr
+    assert list(tmp_path.iterdir()) == []

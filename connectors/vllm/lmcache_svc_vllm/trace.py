@@ -14,11 +14,13 @@ wrapped as before (the choice is made when the plugin is imported).
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Callable
 from time import perf_counter_ns
 
 TRACE_ENV = "LMCACHE_SVC_VLLM_TRACE"
+logger = logging.getLogger(f"vllm.{__name__}")
 
 
 class _TraceFile:
@@ -35,8 +37,18 @@ def _off(name: str) -> None:
 
 
 def _from_env() -> Callable[[str], None]:
+    """The mark function: off without the variable, and off (with one warning naming the
+    file) when the file cannot be opened: tracing never stops an engine from starting."""
     path = os.environ.get(TRACE_ENV)
-    return _TraceFile(path).mark if path else _off
+    if not path:
+        return _off
+    try:
+        return _TraceFile(path).mark
+    except OSError as e:
+        logger.warning(
+            "lmcache-svc: %s=%r cannot be opened (%s); no trace marks", TRACE_ENV, path, e
+        )
+        return _off
 
 
 mark = _from_env()
