@@ -27,6 +27,7 @@ from lmcache_svc.cache.values import TierPolicy
 from lmcache_svc.keys import ChunkKey
 from lmcache_svc.metrics import Metrics
 from lmcache_svc.server.index_publisher import IndexPublisher
+from lmcache_svc.shm.arena import ARENA_TRANSPORT
 from lmcache_svc.tiers.base import SlotTier, Tier
 
 
@@ -107,16 +108,21 @@ class CacheCore:
 
 
 def _first_tier_hook(
-    first: Tier, lookup_index: IndexPublisher | None, listener: ChunkListener | None
+    first: SlotTier, lookup_index: IndexPublisher | None, listener: ChunkListener | None
 ) -> Callable[[ChunkKey, bool], None] | None:
-    """What the first tier's index calls when a chunk becomes readable or stops being so."""
-    if listener is None:
-        return None if lookup_index is None else lookup_index.changed
+    """What the first tier's index calls when a chunk becomes readable or stops being so.
+    The lookup index gets a readable chunk's arena offset when the first tier is the shared
+    arena sessions map (loads without a lease, ``shm.lookup_index``)."""
     if lookup_index is None:
+        if listener is None:
+            return None
         return lambda key, readable: listener.chunk_changed(first, key, readable)
+    in_arena = first.segment().transport == ARENA_TRANSPORT
 
-    def both(key: ChunkKey, readable: bool) -> None:
-        lookup_index.changed(key, readable)
-        listener.chunk_changed(first, key, readable)
+    def changed(key: ChunkKey, readable: bool) -> None:
+        slot = first.slot_of(key) if readable and in_arena else None
+        lookup_index.changed(key, readable, None if slot is None else slot.offset)
+        if listener is not None:
+            listener.chunk_changed(first, key, readable)
 
-    return both
+    return changed

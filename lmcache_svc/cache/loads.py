@@ -82,6 +82,23 @@ class LoadPath:
     def release_load(self, lease_id: str) -> bool:
         return self._core.sessions.release(lease_id)
 
+    def touch(self, namespace_id: bytes, chunk_hashes: Sequence[bytes]) -> int:
+        """Chunks a client read in place without a lease (``shm.lookup_index``): the ones
+        still in the first tier become the most recently used, and their bytes count as
+        read from it, as a lease's would; returns how many."""
+        core = self._core
+        keys = core.namespaces.keys(namespace_id, chunk_hashes)
+        num = nbytes = 0
+        with core.lock:
+            for key in keys:
+                if core.slots.readable(key):
+                    core.slots.touch(key)
+                    nbytes += core.slots.slot_of(key).length
+                    num += 1
+        if nbytes:
+            core.metrics.bytes_read.labels(tier=core.first.name).inc(nbytes)
+        return num
+
     def get(
         self, namespace_id: bytes, chunk_hash: bytes, *, verify: bool = False
     ) -> tuple[bytes, str] | None:

@@ -235,6 +235,10 @@ class TieredCache:
     def release_load(self, lease_id: str) -> bool:
         return self._loads.release_load(lease_id)
 
+    def touch(self, namespace_id: bytes, chunk_hashes: Sequence[bytes]) -> int:
+        """Chunks read in place without a lease: touched and counted as read; how many."""
+        return self._loads.touch(namespace_id, chunk_hashes)
+
     def get(
         self, namespace_id: bytes, chunk_hash: bytes, *, verify: bool = False
     ) -> tuple[bytes, str] | None:

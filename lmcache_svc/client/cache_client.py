@@ -14,7 +14,8 @@ protobuf and numpy (no server extras).
 
 With ``local_lookup``, ``lookup`` is answered from the server's shared-memory lookup index
 when it can be (``shm.lookup_index.answer_locally``), and counted for the server's metrics
-(``lookup_reports.py``). The named-memory calls come from ``memories.py``.
+(``lookup_reports.py``); ``read_in_place`` locates a load's chunks there too and reads them
+without a lease (``in_place.py``). The named-memory calls come from ``memories.py``.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import grpc
 
 from lmcache_svc import errors
 from lmcache_svc.client.events import ChunkTokens, EventsSource
+from lmcache_svc.client.in_place import InPlaceRead, read_in_place
 from lmcache_svc.client.lookup_reports import (
     DEFAULT_REPORT_INTERVAL_S,
     REPORT_TIMEOUT_S,
@@ -306,6 +308,26 @@ class CacheClient(MemoryCalls):
         if not leased.lease_id:
             return LoadLease(None)
         return load_lease(leased, self._mapping_for(session, leased.segment_name))
+
+    def read_in_place(
+        self, namespace_id: bytes, chunk_hashes: Sequence[bytes]
+    ) -> InPlaceRead | None:
+        """Views of every chunk's bytes in the mapped arena, located through the lookup
+        index, with no round trip and no lease (``in_place.py``: copy, then check
+        ``unchanged()``, then ``touch``); None when they cannot all be located so."""
+        ns = self._namespaces.get(bytes(namespace_id))
+        if ns is None or not self._use_shm:
+            return None
+        return read_in_place(self._session, ns, chunk_hashes)
+
+    def touch(self, namespace_id: bytes, chunk_hashes: Sequence[bytes]) -> int:
+        """Tell the server about chunks read in place: they become its most recently used
+        and count as read; returns how many it still held."""
+        resp: pb.TouchChunksResponse = self._ns_call(
+            self._stub.TouchChunks,
+            pb.TouchChunksRequest(namespace_id=namespace_id, chunk_hashes=chunk_hashes),
+        )
+        return resp.num_touched
 
     def release_load(self, lease: LoadLease) -> bool:
         if lease.lease_id is None:

@@ -15,7 +15,7 @@ from lmcache_svc import errors
 from lmcache_svc.client.defaults import default_socket_path
 from lmcache_svc.client.events import ChunkTokens
 from lmcache_svc.results import StoreStatus
-from lmcache_svc.shm.arena import ArenaMapping
+from lmcache_svc.shm.arena import ARENA_TRANSPORT, ArenaMapping
 from lmcache_svc.v1 import cache_pb2 as pb
 from lmcache_svc.wire import (
     ERROR_KIND_KEY,
@@ -218,7 +218,7 @@ class LoadLease:
 def map_segment(event: pb.SessionEvent) -> tuple[ArenaMapping | None, str]:
     """Map the session's shared segment if it is on this host; (mapping or None, name)."""
     for seg in event.segments:
-        if seg.transport == "shm":
+        if seg.transport == ARENA_TRANSPORT:
             # Pre-faulting the client's mapping in the background makes first copies about
             # 5x faster on small VMs (measured in arena.py's docstring).
             return ArenaMapping.open(seg.name, seg.size, seg.nonce, prefault=True), seg.name

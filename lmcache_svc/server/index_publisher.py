@@ -54,7 +54,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 DEFAULT_INDEX_SLOTS = 1 << 18
-"""2 MiB per tenant; up to 196,608 chunks (``shm.lookup_index.MAX_LOAD``) before it overflows."""
+"""6 MiB per tenant (24 bytes a slot); up to 196,608 chunks (``shm.lookup_index.MAX_LOAD``)
+before it overflows."""
 DEFAULT_MAX_TENANTS = 16
 DEFAULT_TENANT = "default"
 """A namespace's tenant when it names none (``keys.Namespace``)."""
@@ -187,14 +188,17 @@ class IndexPublisher:
         self._tenants[tenant] = seg
         return seg
 
-    def changed(self, key: ChunkKey, readable: bool) -> None:
-        """The chunk ``key`` became readable in the first tier, or stopped being so."""
+    def changed(self, key: ChunkKey, readable: bool, offset: int | None = None) -> None:
+        """The chunk ``key`` became readable in the first tier (its bytes at ``offset`` of
+        the sessions' arena, None when the first tier is not that arena), or stopped being
+        so. Called before the chunk's slot can be freed: a load without a lease relies on it
+        (``shm.lookup_index``)."""
         with self._lock:
             seg = self._by_namespace.get(key[:NAMESPACE_ID_BYTES])
             if seg is None or self._closed:
                 return
-            if readable:  # keyed by namespace and chunk hash (lookup_index.key_fingerprint)
-                seg.table.insert(key)
+            if readable:  # keyed by namespace and chunk hash (lookup_index.key_words)
+                seg.table.insert(key, offset)
             else:
                 seg.table.remove(key)
 

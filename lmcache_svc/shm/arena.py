@@ -61,6 +61,8 @@ DEFAULT_SLAB_BYTES = 64 << 20
 PREFAULT_RANGE_BYTES = 64 << 20
 MADV_POPULATE_READ: int = getattr(mmap, "MADV_POPULATE_READ", 22)
 MADV_POPULATE_WRITE: int = getattr(mmap, "MADV_POPULATE_WRITE", 23)
+ARENA_TRANSPORT = "shm"
+"""``SegmentInfo.transport`` of an arena: clients on the same host map it (``ArenaMapping``)."""
 CREATING_PREFIX = ".lmcache-svc-creating-"
 """Hidden name of a segment file between its creation and its locking (never a segment name:
 those may not start with '.')."""

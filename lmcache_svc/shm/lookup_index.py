@@ -14,11 +14,14 @@ Layout (native little-endian uint64 words):
   server's heartbeat (``CLOCK_MONOTONIC`` in ns, one clock for every process of a host),
   then the tenant (``TENANT_OFFSET``, length-prefixed UTF-8), the first tier's name
   (``TIER_OFFSET``) and its medium (``MEDIUM_OFFSET``, ``Tier.medium``);
-- then one word per slot: 0 for empty, else a fingerprint of the chunk's namespace and hash
-  (the first 8 bytes of the chunk hash, a sha256 digest, XOR the first 8 of the namespace
-  id; 0 is stored as 1). The namespace is part of it: the same chunk hash in two namespaces
-  of one tenant is two entries, so a chunk of one is never a hit in the other, and deleting
-  it from one leaves the other's.
+- then three words per slot (``SLOT_WORDS``): the fingerprint, 0 for an empty slot, else a
+  word of the chunk's namespace and hash (the first 8 bytes of the chunk hash, a sha256
+  digest, XOR the first 8 of the namespace id; 0 is stored as 1); the check word, the next 8
+  bytes of each; and the location, where the chunk's bytes are in the arena the session
+  mapped (``location_word``: the slot's 4096-byte page and a serial number the table gives
+  each insert), 0 when the first tier is not that arena. The namespace is part of the key:
+  the same chunk hash in two namespaces of one tenant is two entries, so a chunk of one is
+  never a hit in the other, and deleting it from one leaves the other's.
 
 Linear probing; removal shifts the following entries back (no tombstones), so a table never
 degrades. An insert past ``MAX_LOAD`` is refused and the table marks itself
@@ -29,10 +32,20 @@ any slot and even again after; a reader that saw an odd counter, or a different 
 after its probes, retries (a few times, then gives up: the caller asks the server). Every
 word is one aligned 8-byte load or store, so a reader sees a slot's old or new value, never
 a mix: a fingerprint it finds was written by the server for some chunk (no key that was
-never inserted is reported). A 64-bit fingerprint can collide: with a million chunks
-indexed, a given absent chunk matches one of them with probability 2^-44. Either way a hit
-is only a promise; the load's lease (``PrepareLoad``) decides, and a chunk it cannot pin is
-recomputed by the engine, never read wrong.
+never inserted is reported). Fingerprint and check word together are 128 bits of the key:
+a chunk that was never inserted matches an entry with probability about 2^-108 with a
+million chunks indexed.
+
+Loads without a lease (``IndexReader.locate``, then ``IndexReader.unchanged`` after the
+copy): a reader copies a located chunk's bytes from the arena without pinning it, then
+checks that its entry is still there with the same location word. The server removes a
+chunk's entry (under the cache's lock, ``cache.first_tier_slots``) before its slot can be
+freed, and a readable chunk's bytes never change in place; so if the entry is unchanged
+after the copy (the sequence counter unchanged, or the same location word found again),
+the slot was not freed, and not rewritten, while the copy read it. The serial number in the
+location word tells a chunk removed and stored again in the same slot (its bytes may have
+been rewritten meanwhile) from one that stayed. A chunk that changed is loaded again under a
+lease, or recomputed.
 
 The ordering argument needs the x86-64 memory model: another core sees the writer's stores
 in program order (the counter made odd before the slot changes, the slot before the counter
@@ -71,7 +84,7 @@ from lmcache_svc.results import LookupResult
 from lmcache_svc.shm.arena import SHM_DIR, check_segment_name
 from lmcache_svc.tiers.base import MEDIA, Medium
 
-MAGIC = int.from_bytes(b"LMCSVCI3", "little")  # 3: fingerprints keyed by namespace
+MAGIC = int.from_bytes(b"LMCSVCI4", "little")  # 4: check words and locations
 HEADER_BYTES = 4096
 W_MAGIC, W_NONCE0, W_NONCE1, W_SLOTS, W_SEQ, W_COUNT, W_FLAGS, W_BEAT = range(8)
 TENANT_OFFSET = 64
@@ -85,6 +98,10 @@ FLAG_INCOMPLETE = 2
 FLAG_CLOSED = 4
 MAX_LOAD = 0.75
 MAX_READ_TRIES = 64
+SLOT_WORDS = 3
+"""Words per table slot: fingerprint, check word, location."""
+PAGE_BYTES = 4096
+"""The arena's slot alignment (``shm.slab.ALIGN``): a location counts pages of it."""
 BEAT_S = 0.02
 """How often the server stamps each table (``IndexTable.beat``)."""
 STALE_S = 0.25
@@ -120,13 +137,45 @@ def fingerprint(namespace_word: int, chunk_hash: bytes) -> int:
     return (int.from_bytes(chunk_hash[:8], "little") ^ namespace_word) or 1
 
 
+def namespace_check_word(namespace_id: bytes) -> int:
+    """What a namespace adds to its chunks' check words."""
+    return int.from_bytes(namespace_id[8:16], "little")
+
+
+def check_word(namespace_check: int, chunk_hash: bytes) -> int:
+    """The second word of a chunk's key in the table (any value)."""
+    return int.from_bytes(chunk_hash[8:16], "little") ^ namespace_check
+
+
 def key_fingerprint(key: bytes) -> int:
     """The fingerprint of a chunk key (namespace id, then chunk hash)."""
     return fingerprint(namespace_word(key[:NAMESPACE_ID_BYTES]), key[NAMESPACE_ID_BYTES:])
 
 
+def key_words(key: bytes) -> tuple[int, int]:
+    """A chunk key's fingerprint and check word."""
+    ns, chunk_hash = key[:NAMESPACE_ID_BYTES], key[NAMESPACE_ID_BYTES:]
+    fp = fingerprint(namespace_word(ns), chunk_hash)
+    return fp, check_word(namespace_check_word(ns), chunk_hash)
+
+
+def location_word(offset: int, serial: int) -> int:
+    """A location: the slot's page in the arena (low 32 bits) and the insert's serial number
+    (high 32 bits); 0 (no location) for an offset that is not a page boundary after the
+    header or lies past 2^32 pages."""
+    page, rest = divmod(offset, PAGE_BYTES)
+    if rest or not 0 < page < 1 << 32:
+        return 0
+    return (serial & 0xFFFFFFFF) << 32 | page
+
+
+def location_offset(word: int) -> int:
+    """The arena offset a location word names."""
+    return (word & 0xFFFFFFFF) * PAGE_BYTES
+
+
 def segment_bytes(num_slots: int) -> int:
-    return HEADER_BYTES + 8 * num_slots
+    return HEADER_BYTES + 8 * SLOT_WORDS * num_slots
 
 
 def check_num_slots(num_slots: int) -> int:
@@ -182,8 +231,9 @@ class IndexTable:
         self.num_slots = num_slots
         self.max_entries = int(num_slots * MAX_LOAD)
         self.nonce = secrets.token_bytes(16)
-        self._refused: set[int] = set()
+        self._refused: dict[tuple[int, int], int] = {}  # key words -> location
         self._count = 0
+        self._serial = 0
         _put_text(buf, TENANT_OFFSET, TENANT_MAX_BYTES, tenant)
         _put_text(buf, TIER_OFFSET, TIER_MAX_BYTES, tier_name)
         _put_text(buf, MEDIUM_OFFSET, MEDIUM_MAX_BYTES, medium)
@@ -224,59 +274,64 @@ class IndexTable:
     def mark_closed(self) -> None:
         self._set_flag(FLAG_CLOSED, True)
 
-    def _find(self, fp: int) -> int | None:
+    def _find(self, fp: int, check: int) -> int | None:
+        """The table slot holding the key words, or None."""
         slots, mask = self._slots, self._mask
         i = fp & mask
         while True:
-            word = slots[i]
-            if word == fp:
+            word = slots[SLOT_WORDS * i]
+            if word == fp and slots[SLOT_WORDS * i + 1] == check:
                 return i
             if word == 0:
                 return None
             i = (i + 1) & mask
 
-    def insert(self, key: bytes) -> bool:
-        """Index a chunk (its key: namespace id, then chunk hash); False when the table is
-        full (it is then marked incomplete)."""
-        fp = key_fingerprint(key)
-        if self._find(fp) is not None:
-            return True  # already there (or a colliding fingerprint: a hit either way)
+    def insert(self, key: bytes, offset: int | None = None) -> bool:
+        """Index a chunk (its key: namespace id, then chunk hash), with the arena ``offset``
+        of its bytes when the first tier is the sessions' arena; False when the table is full
+        (it is then marked incomplete)."""
+        words = key_words(key)
+        if self._find(*words) is not None:
+            return True  # already there
+        self._serial += 1
+        loc = 0 if offset is None else location_word(offset, self._serial)
         if self._count >= self.max_entries:
-            if fp not in self._refused:
-                self._refused.add(fp)
+            if words not in self._refused:
+                self._refused[words] = loc
                 self._set_flag(FLAG_INCOMPLETE, True)
             return False
-        self._place(fp)
+        self._place(words, loc)
         return True
 
-    def _place(self, fp: int) -> None:
+    def _place(self, words: tuple[int, int], loc: int) -> None:
         slots, mask = self._slots, self._mask
-        i = fp & mask
-        while slots[i] != 0:
+        i = words[0] & mask
+        while slots[SLOT_WORDS * i] != 0:
             i = (i + 1) & mask
+        j = SLOT_WORDS * i
         self._begin()
-        slots[i] = fp  # a new word in an empty slot: readers see all or nothing of it
+        slots[j + 1], slots[j + 2] = words[1], loc
+        slots[j] = words[0]  # last: a slot with its fingerprint is whole
         self._count += 1
         self._end()
 
     def _take_refused(self) -> None:
         """Room again: index a chunk refused while the table was full."""
         while self._refused and self._count < self.max_entries:
-            fp = self._refused.pop()
-            if self._find(fp) is None:
-                self._place(fp)
+            words, loc = self._refused.popitem()
+            if self._find(*words) is None:
+                self._place(words, loc)
         if not self._refused:
             self._set_flag(FLAG_INCOMPLETE, False)
 
     def remove(self, key: bytes) -> bool:
         """Drop a chunk (backward-shift deletion); False if it was not indexed."""
-        fp = key_fingerprint(key)
-        if fp in self._refused:
-            self._refused.discard(fp)
+        words = key_words(key)
+        if self._refused.pop(words, None) is not None:
             if not self._refused:
                 self._set_flag(FLAG_INCOMPLETE, False)
             return False
-        i = self._find(fp)
+        i = self._find(*words)
         if i is None:
             return False
         slots, mask = self._slots, self._mask
@@ -285,15 +340,17 @@ class IndexTable:
             j = i
             while True:
                 j = (j + 1) & mask
-                word = slots[j]
+                word = slots[SLOT_WORDS * j]
                 if word == 0:
                     break
                 home = word & mask
-                # Move ``word`` into the hole at ``i`` unless its home lies in (i, j].
+                # Move slot ``j`` into the hole at ``i`` unless its home lies in (i, j].
                 if (j > i and (home <= i or home > j)) or (j < i and i >= home > j):
-                    slots[i] = word
+                    a, b = SLOT_WORDS * i, SLOT_WORDS * j
+                    slots[a : a + SLOT_WORDS] = slots[b : b + SLOT_WORDS]
                     i = j
-            slots[i] = 0
+            a = SLOT_WORDS * i
+            slots[a : a + SLOT_WORDS] = _EMPTY_SLOT
             self._count -= 1
         finally:
             self._end()
@@ -302,11 +359,19 @@ class IndexTable:
         return True
 
     def contains(self, key: bytes) -> bool:
-        return self._find(key_fingerprint(key)) is not None
+        return self._find(*key_words(key)) is not None
+
+    def location(self, key: bytes) -> int | None:
+        """The chunk's location word (0: none), None when it is not indexed."""
+        i = self._find(*key_words(key))
+        return None if i is None else self._slots[SLOT_WORDS * i + 2]
 
     def release(self) -> None:
         self._slots.release()
         self._words.release()
+
+
+_EMPTY_SLOT = memoryview(bytes(8 * SLOT_WORDS)).cast("Q")
 
 
 @dataclass(frozen=True, slots=True)
@@ -315,6 +380,20 @@ class IndexAnswer:
 
     num_hit_chunks: int
     final: bool
+
+
+@dataclass(frozen=True, slots=True)
+class Located:
+    """Where the leading chunks of a request are in the arena (``IndexReader.locate``):
+    their key words and location words, and the table's sequence counter when read."""
+
+    seq: int
+    keys: list[tuple[int, int]]
+    locations: list[int]
+
+    @property
+    def offsets(self) -> list[int]:
+        return [location_offset(w) for w in self.locations]
 
 
 class IndexReader:
@@ -389,15 +468,29 @@ class IndexReader:
         fcntl.flock(fd, fcntl.LOCK_UN)
         return False
 
-    def lookup(self, namespace_id: bytes, chunk_hashes: Sequence[bytes]) -> IndexAnswer | None:
-        """Leading chunks of the namespace indexed; None when the table is closed or kept
-        changing under the reads (the caller asks the server)."""
-        if time.monotonic_ns() - self._words[W_BEAT] > STALE_NS or not self._server_alive():
-            return None
-        word = namespace_word(namespace_id)
-        fps = [fingerprint(word, h) for h in chunk_hashes]
-        words, slots, mask = self._words, self._slots, self._mask
-        limit = self.num_slots
+    def _usable(self) -> bool:
+        """The server is alive and stamps the table (a hung or killed one's is not read)."""
+        return time.monotonic_ns() - self._words[W_BEAT] <= STALE_NS and self._server_alive()
+
+    def _probe(self, fp: int, check: int) -> int | None:
+        """The table slot holding the key words (None: not there); a reader's probe, to be
+        made inside a sequence-lock read."""
+        slots, mask = self._slots, self._mask
+        i = fp & mask
+        for _probe in range(self.num_slots):
+            j = SLOT_WORDS * i
+            word = slots[j]
+            if word == 0:
+                return None
+            if word == fp and slots[j + 1] == check:
+                return j
+            i = (i + 1) & mask
+        return None
+
+    def _read(self, keys: list[tuple[int, int]]) -> tuple[int, int, list[int]] | None:
+        """One consistent read of the leading keys found: (sequence counter, flags, their
+        location words); None when the table is closed or kept changing under the reads."""
+        words, slots = self._words, self._slots
         for _ in range(MAX_READ_TRIES):
             seq = words[W_SEQ]
             if seq & 1:
@@ -406,23 +499,63 @@ class IndexReader:
             flags = words[W_FLAGS]
             if flags & FLAG_CLOSED:
                 return None
-            num = 0
-            for fp in fps:
-                i = fp & mask
-                for _probe in range(limit):
-                    word = slots[i]
-                    if word == fp or word == 0:
-                        break
-                    i = (i + 1) & mask
-                else:
-                    word = 0
-                if word != fp:
+            found: list[int] = []
+            for fp, check in keys:
+                j = self._probe(fp, check)
+                if j is None:
                     break
-                num += 1
+                found.append(slots[j + 2])
             if words[W_SEQ] == seq:
-                final = num == len(fps) or not flags & (FLAG_LOWER_TIERS | FLAG_INCOMPLETE)
-                return IndexAnswer(num, final)
+                return seq, flags, found
         return None
+
+    @staticmethod
+    def _keys(namespace_id: bytes, chunk_hashes: Sequence[bytes]) -> list[tuple[int, int]]:
+        word, check = namespace_word(namespace_id), namespace_check_word(namespace_id)
+        return [(fingerprint(word, h), check_word(check, h)) for h in chunk_hashes]
+
+    def lookup(self, namespace_id: bytes, chunk_hashes: Sequence[bytes]) -> IndexAnswer | None:
+        """Leading chunks of the namespace indexed; None when the table is closed or kept
+        changing under the reads (the caller asks the server)."""
+        if not self._usable():
+            return None
+        keys = self._keys(namespace_id, chunk_hashes)
+        read = self._read(keys)
+        if read is None:
+            return None
+        _, flags, found = read
+        num = len(found)
+        final = num == len(keys) or not flags & (FLAG_LOWER_TIERS | FLAG_INCOMPLETE)
+        return IndexAnswer(num, final)
+
+    def locate(self, namespace_id: bytes, chunk_hashes: Sequence[bytes]) -> Located | None:
+        """Where every one of the chunks is in the arena, for a load without a lease; None
+        unless all of them are indexed with a location (or the table cannot answer)."""
+        if not self._usable():
+            return None
+        keys = self._keys(namespace_id, chunk_hashes)
+        read = self._read(keys)
+        if read is None:
+            return None
+        seq, _, locations = read
+        if len(locations) < len(keys) or not all(locations):
+            return None
+        return Located(seq, keys, locations)
+
+    def unchanged(self, located: Located) -> int:
+        """After copying located chunks: how many leading ones still have the entry they
+        were located by (their bytes were not freed or rewritten during the copy)."""
+        if self._words[W_SEQ] == located.seq:
+            return len(located.keys)  # the table did not change at all
+        read = self._read(located.keys)
+        if read is None:
+            return 0
+        num = 0
+        for now, then in zip(read[2], located.locations):
+            if now != then:
+                break
+            num += 1
+        return num
 
     def close(self) -> None:
         self._fd = None

@@ -15,7 +15,7 @@ from __future__ import annotations
 import threading
 
 from lmcache_svc.keys import ChunkKey
-from lmcache_svc.shm.arena import Arena
+from lmcache_svc.shm.arena import ARENA_TRANSPORT, Arena
 from lmcache_svc.shm.slab import ALIGN
 from lmcache_svc.tiers.base import SegmentInfo, Slot, SlotTier
 from lmcache_svc.tiers.own_slots import OwnSlotsTier, ReadPins
@@ -117,7 +117,7 @@ class CpuTier(OwnSlotsTier, SlotTier):
 
     def segment(self) -> SegmentInfo:
         arena = self._arena
-        return SegmentInfo("shm", arena.name, arena.segment_size, arena.nonce)
+        return SegmentInfo(ARENA_TRANSPORT, arena.name, arena.segment_size, arena.nonce)
 
     def close(self) -> None:
         with self._lock:

@@ -24,17 +24,17 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1almcache_svc/v1/cache.proto\x12\x0elmcache_svc.v1\"\x92\x01\n\x08KVLayout\x12\r\n\x05\x64type\x18\x01 \x01(\t\x12\x12\n\nnum_layers\x18\x02 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x03 \x01(\r\x12\x11\n\thead_size\x18\x04 \x01(\r\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12\x13\n\x0bpage_layout\x18\x06 \x01(\t\x12\x11\n\tkv_planes\x18\x07 \x01(\r\"\x9f\x01\n\tNamespace\x12\r\n\x05model\x18\x01 \x01(\t\x12(\n\x06layout\x18\x02 \x01(\x0b\x32\x18.lmcache_svc.v1.KVLayout\x12\x12\n\nchunk_size\x18\x03 \x01(\r\x12\x0f\n\x07tp_rank\x18\x04 \x01(\r\x12\x0f\n\x07tp_size\x18\x05 \x01(\r\x12\x0e\n\x06tenant\x18\x06 \x01(\t\x12\x13\n\x0bkey_version\x18\x07 \x01(\r\"H\n\x18RegisterNamespaceRequest\x12,\n\tnamespace\x18\x01 \x01(\x0b\x32\x19.lmcache_svc.v1.Namespace\"\x95\x01\n\x19RegisterNamespaceResponse\x12\x14\n\x0cnamespace_id\x18\x01 \x01(\x0c\x12\x13\n\x0b\x63hunk_bytes\x18\x02 \x01(\x04\x12\x14\n\x0c\x65vents_topic\x18\x03 \x01(\t\x12\x17\n\x0f\x65vents_endpoint\x18\x04 \x01(\t\x12\x1e\n\x16\x65vents_replay_endpoint\x18\x05 \x01(\t\"G\n\x07Segment\x12\x11\n\ttransport\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x0c\n\x04size\x18\x03 \x01(\x04\x12\r\n\x05nonce\x18\x04 \x01(\x0c\")\n\x12OpenSessionRequest\x12\x13\n\x0b\x63lient_name\x18\x01 \x01(\t\"M\n\x0cSessionEvent\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12)\n\x08segments\x18\x02 \x03(\x0b\x32\x17.lmcache_svc.v1.Segment\";\n\rLookupRequest\x12\x14\n\x0cnamespace_id\x18\x01 \x01(\x0c\x12\x14\n\x0c\x63hunk_hashes\x18\x02 \x03(\x0c\"^\n\x0eLookupResponse\x12\x16\n\x0enum_hit_chunks\x18\x01 \x01(\r\x12\r\n\x05tiers\x18\x02 \x03(\t\x12%\n\x05media\x18\x03 \x03(\x0e\x32\x16.lmcache_svc.v1.Medium\"m\n\x14ReportLookupsRequest\x12\x14\n\x0cnamespace_id\x18\x01 \x01(\x0c\x12\x13\n\x0bnum_lookups\x18\x02 \x01(\x03\x12\x12\n\nnum_chunks\x18\x03 \x01(\x03\x12\x16\n\x0enum_hit_chunks\x18\x04 \x01(\x03\"\x17\n\x15ReportLookupsResponse\"e\n\x13PrepareStoreRequest\x12\x14\n\x0cnamespace_id\x18\x01 \x01(\x0c\x12\x14\n\x0c\x63hunk_hashes\x18\x02 \x03(\x0c\x12\x12\n\nsession_id\x18\x03 \x01(\t\x12\x0e\n\x06ttl_ms\x18\x04 \x01(\r\"o\n\x0cPreparedSlot\x12\x12\n\nchunk_hash\x18\x01 \x01(\x0c\x12+\n\x06status\x18\x02 \x01(\x0e\x32\x1b.lmcache_svc.v1.StoreStatus\x12\x0e\n\x06offset\x18\x03 \x01(\x04\x12\x0e\n\x06length\x18\x04 \x01(\x04\"Y\n\x14PrepareStoreResponse\x12+\n\x05slots\x18\x01 \x03(\x0b\x32\x1c.lmcache_svc.v1.PreparedSlot\x12\x14\n\x0csegment_name\x18\x02 \x01(\t\"\xa2\x01\n\x12\x43ommitStoreRequest\x12\x14\n\x0cnamespace_id\x18\x01 \x01(\x0c\x12\x14\n\x0c\x63hunk_hashes\x18\x02 \x03(\x0c\x12\x12\n\nsession_id\x18\x03 \x01(\t\x12\r\n\x05\x61\x62ort\x18\x04 \x01(\x08\x12\x13\n\x0breserved_as\x18\x05 \x03(\x0c\x12\x11\n\ttoken_ids\x18\x06 \x01(\x0c\x12\x15\n\rparent_hashes\x18\x07 \x03(\x0c\":\n\x13\x43ommitStoreResponse\x12\x15\n\rnum_committed\x18\x01 \x01(\r\x12\x0c\n\x04kept\x18\x02 \x03(\x0c\"t\n\x12PrepareLoadRequest\x12\x14\n\x0cnamespace_id\x18\x01 \x01(\x0c\x12\x14\n\x0c\x63hunk_hashes\x18\x02 \x03(\x0c\x12\x12\n\nsession_id\x18\x03 \x01(\t\x12\x0e\n\x06ttl_ms\x18\x04 \x01(\r\x12\x0e\n\x06verify\x18\x05 \x01(\x08\"=\n\x07SlotRef\x12\x12\n\nchunk_hash\x18\x01 \x01(\x0c\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0e\n\x06length\x18\x03 \x01(\x04\"e\n\x13PrepareLoadResponse\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12&\n\x05slots\x18\x02 \x03(\x0b\x32\x17.lmcache_svc.v1.SlotRef\x12\x14\n\x0csegment_name\x18\x03 \x01(\t\"&\n\x12ReleaseLoadRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\"\'\n\x13ReleaseLoadResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"\x8c\x01\n\x0b\x43hunkHeader\x12\x14\n\x0cnamespace_id\x18\x01 \x01(\x0c\x12\x12\n\nchunk_hash\x18\x02 \x01(\x0c\x12\x0e\n\x06length\x18\x03 \x01(\x04\x12\r\n\x05\x66ound\x18\x04 \x01(\x08\x12\x0c\n\x04tier\x18\x05 \x01(\t\x12\x11\n\ttoken_ids\x18\x06 \x01(\x0c\x12\x13\n\x0bparent_hash\x18\x07 \x01(\x0c\"R\n\tChunkPart\x12-\n\x06header\x18\x01 \x01(\x0b\x32\x1b.lmcache_svc.v1.ChunkHeaderH\x00\x12\x0e\n\x04\x64\x61ta\x18\x02 \x01(\x0cH\x00\x42\x06\n\x04part\"P\n\x0bPutResponse\x12\x12\n\nnum_stored\x18\x01 \x01(\r\x12\x14\n\x0cnum_no_space\x18\x02 \x01(\r\x12\x17\n\x0fnum_in_progress\x18\x03 \x01(\r\"H\n\nGetRequest\x12\x14\n\x0cnamespace_id\x18\x01 \x01(\x0c\x12\x14\n\x0c\x63hunk_hashes\x18\x02 \x03(\x0c\x12\x0e\n\x06verify\x18\x03 \x01(\x08\";\n\rDeleteRequest\x12\x14\n\x0cnamespace_id\x18\x01 \x01(\x0c\x12\x14\n\x0c\x63hunk_hashes\x18\x02 \x03(\x0c\"%\n\x0e\x44\x65leteResponse\x12\x13\n\x0bnum_deleted\x18\x01 \x01(\r\"\x0e\n\x0cStatsRequest\"Y\n\tTierState\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x02 \x01(\x04\x12\x12\n\nused_bytes\x18\x03 \x01(\x04\x12\x12\n\nnum_chunks\x18\x04 \x01(\x04\"\x91\x01\n\rStatsResponse\x12(\n\x05tiers\x18\x01 \x03(\x0b\x32\x19.lmcache_svc.v1.TierState\x12\x15\n\ractive_leases\x18\x02 \x01(\x04\x12\x16\n\x0epending_stores\x18\x03 \x01(\x04\x12\x16\n\x0enum_namespaces\x18\x04 \x01(\x04\x12\x0f\n\x07version\x18\x05 \x01(\t\"Y\n\nMemoryInfo\x12\x11\n\tmemory_id\x18\x01 \x01(\t\x12\x12\n\nsize_bytes\x18\x02 \x01(\x04\x12\r\n\x05model\x18\x03 \x01(\t\x12\x15\n\rmetadata_json\x18\x04 \x01(\t\"-\n\x0cMemoryHeader\x12\x0e\n\x06length\x18\x01 \x01(\x04\x12\r\n\x05\x66ound\x18\x02 \x01(\x08\"T\n\nMemoryPart\x12.\n\x06header\x18\x01 \x01(\x0b\x32\x1c.lmcache_svc.v1.MemoryHeaderH\x00\x12\x0e\n\x04\x64\x61ta\x18\x02 \x01(\x0cH\x00\x42\x06\n\x04part\"P\n\x11PutMemoryResponse\x12*\n\x06memory\x18\x01 \x01(\x0b\x32\x1a.lmcache_svc.v1.MemoryInfo\x12\x0f\n\x07\x63reated\x18\x02 \x01(\x08\"%\n\x10GetMemoryRequest\x12\x11\n\tmemory_id\x18\x01 \x01(\t\"\x15\n\x13ListMemoriesRequest\"D\n\x14ListMemoriesResponse\x12,\n\x08memories\x18\x01 \x03(\x0b\x32\x1a.lmcache_svc.v1.MemoryInfo\"(\n\x13\x44\x65leteMemoryRequest\x12\x11\n\tmemory_id\x18\x01 \x01(\t\"\'\n\x14\x44\x65leteMemoryResponse\x12\x0f\n\x07\x64\x65leted\x18\x01 \x01(\x08*o\n\x06Medium\x12\x16\n\x12MEDIUM_UNSPECIFIED\x10\x00\x12\x16\n\x12MEDIUM_HOST_MEMORY\x10\x01\x12\x11\n\rMEDIUM_DEVICE\x10\x02\x12\x0f\n\x0bMEDIUM_DISK\x10\x03\x12\x11\n\rMEDIUM_REMOTE\x10\x04*l\n\x0bStoreStatus\x12\x1c\n\x18STORE_STATUS_UNSPECIFIED\x10\x00\x12\x0c\n\x08RESERVED\x10\x01\x12\x12\n\x0e\x41LREADY_STORED\x10\x02\x12\x0c\n\x08NO_SPACE\x10\x03\x12\x0f\n\x0bIN_PROGRESS\x10\x04\x32\xe5\x07\n\x0c\x43\x61\x63heService\x12h\n\x11RegisterNamespace\x12(.lmcache_svc.v1.RegisterNamespaceRequest\x1a).lmcache_svc.v1.RegisterNamespaceResponse\x12Q\n\x0bOpenSession\x12\".lmcache_svc.v1.OpenSessionRequest\x1a\x1c.lmcache_svc.v1.SessionEvent0\x01\x12G\n\x06Lookup\x12\x1d.lmcache_svc.v1.LookupRequest\x1a\x1e.lmcache_svc.v1.LookupResponse\x12\\\n\rReportLookups\x12$.lmcache_svc.v1.ReportLookupsRequest\x1a%.lmcache_svc.v1.ReportLookupsResponse\x12Y\n\x0cPrepareStore\x12#.lmcache_svc.v1.PrepareStoreRequest\x1a$.lmcache_svc.v1.PrepareStoreResponse\x12V\n\x0b\x43ommitStore\x12\".lmcache_svc.v1.CommitStoreRequest\x1a#.lmcache_svc.v1.CommitStoreResponse\x12V\n\x0bPrepareLoad\x12\".lmcache_svc.v1.PrepareLoadRequest\x1a#.lmcache_svc.v1.PrepareLoadResponse\x12V\n\x0bReleaseLoad\x12\".lmcache_svc.v1.ReleaseLoadRequest\x1a#.lmcache_svc.v1.ReleaseLoadResponse\x12?\n\x03Put\x12\x19.lmcache_svc.v1.ChunkPart\x1a\x1b.lmcache_svc.v1.PutResponse(\x01\x12>\n\x03Get\x12\x1a.lmcache_svc.v1.GetRequest\x1a\x19.lmcache_svc.v1.ChunkPart0\x01\x12G\n\x06\x44\x65lete\x12\x1d.lmcache_svc.v1.DeleteRequest\x1a\x1e.lmcache_svc.v1.DeleteResponse\x12\x44\n\x05Stats\x12\x1c.lmcache_svc.v1.StatsRequest\x1a\x1d.lmcache_svc.v1.StatsResponse2\xe0\x02\n\rMemoryService\x12L\n\tPutMemory\x12\x1a.lmcache_svc.v1.MemoryPart\x1a!.lmcache_svc.v1.PutMemoryResponse(\x01\x12K\n\tGetMemory\x12 .lmcache_svc.v1.GetMemoryRequest\x1a\x1a.lmcache_svc.v1.MemoryPart0\x01\x12Y\n\x0cListMemories\x12#.lmcache_svc.v1.ListMemoriesRequest\x1a$.lmcache_svc.v1.ListMemoriesResponse\x12Y\n\x0c\x44\x65leteMemory\x12#.lmcache_svc.v1.DeleteMemoryRequest\x1a$.lmcache_svc.v1.DeleteMemoryResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1almcache_svc/v1/cache.proto\x12\x0elmcache_svc.v1\"\x92\x01\n\x08KVLayout\x12\r\n\x05\x64type\x18\x01 \x01(\t\x12\x12\n\nnum_layers\x18\x02 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x03 \x01(\r\x12\x11\n\thead_size\x18\x04 \x01(\r\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12\x13\n\x0bpage_layout\x18\x06 \x01(\t\x12\x11\n\tkv_planes\x18\x07 \x01(\r\"\x9f\x01\n\tNamespace\x12\r\n\x05model\x18\x01 \x01(\t\x12(\n\x06layout\x18\x02 \x01(\x0b\x32\x18.lmcache_svc.v1.KVLayout\x12\x12\n\nchunk_size\x18\x03 \x01(\r\x12\x0f\n\x07tp_rank\x18\x04 \x01(\r\x12\x0f\n\x07tp_size\x18\x05 \x01(\r\x12\x0e\n\x06tenant\x18\x06 \x01(\t\x12\x13\n\x0bkey_version\x18\x07 \x01(\r\"H\n\x18RegisterNamespaceRequest\x12,\n\tnamespace\x18\x01 \x01(\x0b\x32\x19.lmcache_svc.v1.Namespace\"\x95\x01\n\x19RegisterNamespaceResponse\x12\x14\n\x0cnamespace_id\x18\x01 \x01(\x0c\x12\x13\n\x0b\x63hunk_bytes\x18\x02 \x01(\x04\x12\x14\n\x0c\x65vents_topic\x18\x03 \x01(\t\x12\x17\n\x0f\x65vents_endpoint\x18\x04 \x01(\t\x12\x1e\n\x16\x65vents_replay_endpoint\x18\x05 \x01(\t\"G\n\x07Segment\x12\x11\n\ttransport\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x0c\n\x04size\x18\x03 \x01(\x04\x12\r\n\x05nonce\x18\x04 \x01(\x0c\")\n\x12OpenSessionRequest\x12\x13\n\x0b\x63lient_name\x18\x01 \x01(\t\"M\n\x0cSessionEvent\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12)\n\x08segments\x18\x02 \x03(\x0b\x32\x17.lmcache_svc.v1.Segment\";\n\rLookupRequest\x12\x14\n\x0cnamespace_id\x18\x01 \x01(\x0c\x12\x14\n\x0c\x63hunk_hashes\x18\x02 \x03(\x0c\"^\n\x0eLookupResponse\x12\x16\n\x0enum_hit_chunks\x18\x01 \x01(\r\x12\r\n\x05tiers\x18\x02 \x03(\t\x12%\n\x05media\x18\x03 \x03(\x0e\x32\x16.lmcache_svc.v1.Medium\"m\n\x14ReportLookupsRequest\x12\x14\n\x0cnamespace_id\x18\x01 \x01(\x0c\x12\x13\n\x0bnum_lookups\x18\x02 \x01(\x03\x12\x12\n\nnum_chunks\x18\x03 \x01(\x03\x12\x16\n\x0enum_hit_chunks\x18\x04 \x01(\x03\"\x17\n\x15ReportLookupsResponse\"e\n\x13PrepareStoreRequest\x12\x14\n\x0cnamespace_id\x18\x01 \x01(\x0c\x12\x14\n\x0c\x63hunk_hashes\x18\x02 \x03(\x0c\x12\x12\n\nsession_id\x18\x03 \x01(\t\x12\x0e\n\x06ttl_ms\x18\x04 \x01(\r\"o\n\x0cPreparedSlot\x12\x12\n\nchunk_hash\x18\x01 \x01(\x0c\x12+\n\x06status\x18\x02 \x01(\x0e\x32\x1b.lmcache_svc.v1.StoreStatus\x12\x0e\n\x06offset\x18\x03 \x01(\x04\x12\x0e\n\x06length\x18\x04 \x01(\x04\"Y\n\x14PrepareStoreResponse\x12+\n\x05slots\x18\x01 \x03(\x0b\x32\x1c.lmcache_svc.v1.PreparedSlot\x12\x14\n\x0csegment_name\x18\x02 \x01(\t\"\xa2\x01\n\x12\x43ommitStoreRequest\x12\x14\n\x0cnamespace_id\x18\x01 \x01(\x0c\x12\x14\n\x0c\x63hunk_hashes\x18\x02 \x03(\x0c\x12\x12\n\nsession_id\x18\x03 \x01(\t\x12\r\n\x05\x61\x62ort\x18\x04 \x01(\x08\x12\x13\n\x0breserved_as\x18\x05 \x03(\x0c\x12\x11\n\ttoken_ids\x18\x06 \x01(\x0c\x12\x15\n\rparent_hashes\x18\x07 \x03(\x0c\":\n\x13\x43ommitStoreResponse\x12\x15\n\rnum_committed\x18\x01 \x01(\r\x12\x0c\n\x04kept\x18\x02 \x03(\x0c\"t\n\x12PrepareLoadRequest\x12\x14\n\x0cnamespace_id\x18\x01 \x01(\x0c\x12\x14\n\x0c\x63hunk_hashes\x18\x02 \x03(\x0c\x12\x12\n\nsession_id\x18\x03 \x01(\t\x12\x0e\n\x06ttl_ms\x18\x04 \x01(\r\x12\x0e\n\x06verify\x18\x05 \x01(\x08\"=\n\x07SlotRef\x12\x12\n\nchunk_hash\x18\x01 \x01(\x0c\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0e\n\x06length\x18\x03 \x01(\x04\"e\n\x13PrepareLoadResponse\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12&\n\x05slots\x18\x02 \x03(\x0b\x32\x17.lmcache_svc.v1.SlotRef\x12\x14\n\x0csegment_name\x18\x03 \x01(\t\"&\n\x12ReleaseLoadRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\"\'\n\x13ReleaseLoadResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"@\n\x12TouchChunksRequest\x12\x14\n\x0cnamespace_id\x18\x01 \x01(\x0c\x12\x14\n\x0c\x63hunk_hashes\x18\x02 \x03(\x0c\"*\n\x13TouchChunksResponse\x12\x13\n\x0bnum_touched\x18\x01 \x01(\r\"\x8c\x01\n\x0b\x43hunkHeader\x12\x14\n\x0cnamespace_id\x18\x01 \x01(\x0c\x12\x12\n\nchunk_hash\x18\x02 \x01(\x0c\x12\x0e\n\x06length\x18\x03 \x01(\x04\x12\r\n\x05\x66ound\x18\x04 \x01(\x08\x12\x0c\n\x04tier\x18\x05 \x01(\t\x12\x11\n\ttoken_ids\x18\x06 \x01(\x0c\x12\x13\n\x0bparent_hash\x18\x07 \x01(\x0c\"R\n\tChunkPart\x12-\n\x06header\x18\x01 \x01(\x0b\x32\x1b.lmcache_svc.v1.ChunkHeaderH\x00\x12\x0e\n\x04\x64\x61ta\x18\x02 \x01(\x0cH\x00\x42\x06\n\x04part\"P\n\x0bPutResponse\x12\x12\n\nnum_stored\x18\x01 \x01(\r\x12\x14\n\x0cnum_no_space\x18\x02 \x01(\r\x12\x17\n\x0fnum_in_progress\x18\x03 \x01(\r\"H\n\nGetRequest\x12\x14\n\x0cnamespace_id\x18\x01 \x01(\x0c\x12\x14\n\x0c\x63hunk_hashes\x18\x02 \x03(\x0c\x12\x0e\n\x06verify\x18\x03 \x01(\x08\";\n\rDeleteRequest\x12\x14\n\x0cnamespace_id\x18\x01 \x01(\x0c\x12\x14\n\x0c\x63hunk_hashes\x18\x02 \x03(\x0c\"%\n\x0e\x44\x65leteResponse\x12\x13\n\x0bnum_deleted\x18\x01 \x01(\r\"\x0e\n\x0cStatsRequest\"Y\n\tTierState\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x02 \x01(\x04\x12\x12\n\nused_bytes\x18\x03 \x01(\x04\x12\x12\n\nnum_chunks\x18\x04 \x01(\x04\"\x91\x01\n\rStatsResponse\x12(\n\x05tiers\x18\x01 \x03(\x0b\x32\x19.lmcache_svc.v1.TierState\x12\x15\n\ractive_leases\x18\x02 \x01(\x04\x12\x16\n\x0epending_stores\x18\x03 \x01(\x04\x12\x16\n\x0enum_namespaces\x18\x04 \x01(\x04\x12\x0f\n\x07version\x18\x05 \x01(\t\"Y\n\nMemoryInfo\x12\x11\n\tmemory_id\x18\x01 \x01(\t\x12\x12\n\nsize_bytes\x18\x02 \x01(\x04\x12\r\n\x05model\x18\x03 \x01(\t\x12\x15\n\rmetadata_json\x18\x04 \x01(\t\"-\n\x0cMemoryHeader\x12\x0e\n\x06length\x18\x01 \x01(\x04\x12\r\n\x05\x66ound\x18\x02 \x01(\x08\"T\n\nMemoryPart\x12.\n\x06header\x18\x01 \x01(\x0b\x32\x1c.lmcache_svc.v1.MemoryHeaderH\x00\x12\x0e\n\x04\x64\x61ta\x18\x02 \x01(\x0cH\x00\x42\x06\n\x04part\"P\n\x11PutMemoryResponse\x12*\n\x06memory\x18\x01 \x01(\x0b\x32\x1a.lmcache_svc.v1.MemoryInfo\x12\x0f\n\x07\x63reated\x18\x02 \x01(\x08\"%\n\x10GetMemoryRequest\x12\x11\n\tmemory_id\x18\x01 \x01(\t\"\x15\n\x13ListMemoriesRequest\"D\n\x14ListMemoriesResponse\x12,\n\x08memories\x18\x01 \x03(\x0b\x32\x1a.lmcache_svc.v1.MemoryInfo\"(\n\x13\x44\x65leteMemoryRequest\x12\x11\n\tmemory_id\x18\x01 \x01(\t\"\'\n\x14\x44\x65leteMemoryResponse\x12\x0f\n\x07\x64\x65leted\x18\x01 \x01(\x08*o\n\x06Medium\x12\x16\n\x12MEDIUM_UNSPECIFIED\x10\x00\x12\x16\n\x12MEDIUM_HOST_MEMORY\x10\x01\x12\x11\n\rMEDIUM_DEVICE\x10\x02\x12\x0f\n\x0bMEDIUM_DISK\x10\x03\x12\x11\n\rMEDIUM_REMOTE\x10\x04*l\n\x0bStoreStatus\x12\x1c\n\x18STORE_STATUS_UNSPECIFIED\x10\x00\x12\x0c\n\x08RESERVED\x10\x01\x12\x12\n\x0e\x41LREADY_STORED\x10\x02\x12\x0c\n\x08NO_SPACE\x10\x03\x12\x0f\n\x0bIN_PROGRESS\x10\x04\x32\xbd\x08\n\x0c\x43\x61\x63heService\x12h\n\x11RegisterNamespace\x12(.lmcache_svc.v1.RegisterNamespaceRequest\x1a).lmcache_svc.v1.RegisterNamespaceResponse\x12Q\n\x0bOpenSession\x12\".lmcache_svc.v1.OpenSessionRequest\x1a\x1c.lmcache_svc.v1.SessionEvent0\x01\x12G\n\x06Lookup\x12\x1d.lmcache_svc.v1.LookupRequest\x1a\x1e.lmcache_svc.v1.LookupResponse\x12\\\n\rReportLookups\x12$.lmcache_svc.v1.ReportLookupsRequest\x1a%.lmcache_svc.v1.ReportLookupsResponse\x12Y\n\x0cPrepareStore\x12#.lmcache_svc.v1.PrepareStoreRequest\x1a$.lmcache_svc.v1.PrepareStoreResponse\x12V\n\x0b\x43ommitStore\x12\".lmcache_svc.v1.CommitStoreRequest\x1a#.lmcache_svc.v1.CommitStoreResponse\x12V\n\x0bPrepareLoad\x12\".lmcache_svc.v1.PrepareLoadRequest\x1a#.lmcache_svc.v1.PrepareLoadResponse\x12V\n\x0bReleaseLoad\x12\".lmcache_svc.v1.ReleaseLoadRequest\x1a#.lmcache_svc.v1.ReleaseLoadResponse\x12V\n\x0bTouchChunks\x12\".lmcache_svc.v1.TouchChunksRequest\x1a#.lmcache_svc.v1.TouchChunksResponse\x12?\n\x03Put\x12\x19.lmcache_svc.v1.ChunkPart\x1a\x1b.lmcache_svc.v1.PutResponse(\x01\x12>\n\x03Get\x12\x1a.lmcache_svc.v1.GetRequest\x1a\x19.lmcache_svc.v1.ChunkPart0\x01\x12G\n\x06\x44\x65lete\x12\x1d.lmcache_svc.v1.DeleteRequest\x1a\x1e.lmcache_svc.v1.DeleteResponse\x12\x44\n\x05Stats\x12\x1c.lmcache_svc.v1.StatsRequest\x1a\x1d.lmcache_svc.v1.StatsResponse2\xe0\x02\n\rMemoryService\x12L\n\tPutMemory\x12\x1a.lmcache_svc.v1.MemoryPart\x1a!.lmcache_svc.v1.PutMemoryResponse(\x01\x12K\n\tGetMemory\x12 .lmcache_svc.v1.GetMemoryRequest\x1a\x1a.lmcache_svc.v1.MemoryPart0\x01\x12Y\n\x0cListMemories\x12#.lmcache_svc.v1.ListMemoriesRequest\x1a$.lmcache_svc.v1.ListMemoriesResponse\x12Y\n\x0c\x44\x65leteMemory\x12#.lmcache_svc.v1.DeleteMemoryRequest\x1a$.lmcache_svc.v1.DeleteMemoryResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'lmcache_svc.v1.cache_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_MEDIUM']._serialized_start=3227
-  _globals['_MEDIUM']._serialized_end=3338
-  _globals['_STORESTATUS']._serialized_start=3340
-  _globals['_STORESTATUS']._serialized_end=3448
+  _globals['_MEDIUM']._serialized_start=3337
+  _globals['_MEDIUM']._serialized_end=3448
+  _globals['_STORESTATUS']._serialized_start=3450
+  _globals['_STORESTATUS']._serialized_end=3558
   _globals['_KVLAYOUT']._serialized_start=47
   _globals['_KVLAYOUT']._serialized_end=193
   _globals['_NAMESPACE']._serialized_start=196
@@ -77,44 +77,48 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_RELEASELOADREQUEST']._serialized_end=1925
   _globals['_RELEASELOADRESPONSE']._serialized_start=1927
   _globals['_RELEASELOADRESPONSE']._serialized_end=1966
-  _globals['_CHUNKHEADER']._serialized_start=1969
-  _globals['_CHUNKHEADER']._serialized_end=2109
-  _globals['_CHUNKPART']._serialized_start=2111
-  _globals['_CHUNKPART']._serialized_end=2193
-  _globals['_PUTRESPONSE']._serialized_start=2195
-  _globals['_PUTRESPONSE']._serialized_end=2275
-  _globals['_GETREQUEST']._serialized_start=2277
-  _globals['_GETREQUEST']._serialized_end=2349
-  _globals['_DELETEREQUEST']._serialized_start=2351
-  _globals['_DELETEREQUEST']._serialized_end=2410
-  _globals['_DELETERESPONSE']._serialized_start=2412
-  _globals['_DELETERESPONSE']._serialized_end=2449
-  _globals['_STATSREQUEST']._serialized_start=2451
-  _globals['_STATSREQUEST']._serialized_end=2465
-  _globals['_TIERSTATE']._serialized_start=2467
-  _globals['_TIERSTATE']._serialized_end=2556
-  _globals['_STATSRESPONSE']._serialized_start=2559
-  _globals['_STATSRESPONSE']._serialized_end=2704
-  _globals['_MEMORYINFO']._serialized_start=2706
-  _globals['_MEMORYINFO']._serialized_end=2795
-  _globals['_MEMORYHEADER']._serialized_start=2797
-  _globals['_MEMORYHEADER']._serialized_end=2842
-  _globals['_MEMORYPART']._serialized_start=2844
-  _globals['_MEMORYPART']._serialized_end=2928
-  _globals['_PUTMEMORYRESPONSE']._serialized_start=2930
-  _globals['_PUTMEMORYRESPONSE']._serialized_end=3010
-  _globals['_GETMEMORYREQUEST']._serialized_start=3012
-  _globals['_GETMEMORYREQUEST']._serialized_end=3049
-  _globals['_LISTMEMORIESREQUEST']._serialized_start=3051
-  _globals['_LISTMEMORIESREQUEST']._serialized_end=3072
-  _globals['_LISTMEMORIESRESPONSE']._serialized_start=3074
-  _globals['_LISTMEMORIESRESPONSE']._serialized_end=3142
-  _globals['_DELETEMEMORYREQUEST']._serialized_start=3144
-  _globals['_DELETEMEMORYREQUEST']._serialized_end=3184
-  _globals['_DELETEMEMORYRESPONSE']._serialized_start=3186
-  _globals['_DELETEMEMORYRESPONSE']._serialized_end=3225
-  _globals['_CACHESERVICE']._serialized_start=3451
-  _globals['_CACHESERVICE']._serialized_end=4448
-  _globals['_MEMORYSERVICE']._serialized_start=4451
-  _globals['_MEMORYSERVICE']._serialized_end=4803
+  _globals['_TOUCHCHUNKSREQUEST']._serialized_start=1968
+  _globals['_TOUCHCHUNKSREQUEST']._serialized_end=2032
+  _globals['_TOUCHCHUNKSRESPONSE']._serialized_start=2034
+  _globals['_TOUCHCHUNKSRESPONSE']._serialized_end=2076
+  _globals['_CHUNKHEADER']._serialized_start=2079
+  _globals['_CHUNKHEADER']._serialized_end=2219
+  _globals['_CHUNKPART']._serialized_start=2221
+  _globals['_CHUNKPART']._serialized_end=2303
+  _globals['_PUTRESPONSE']._serialized_start=2305
+  _globals['_PUTRESPONSE']._serialized_end=2385
+  _globals['_GETREQUEST']._serialized_start=2387
+  _globals['_GETREQUEST']._serialized_end=2459
+  _globals['_DELETEREQUEST']._serialized_start=2461
+  _globals['_DELETEREQUEST']._serialized_end=2520
+  _globals['_DELETERESPONSE']._serialized_start=2522
+  _globals['_DELETERESPONSE']._serialized_end=2559
+  _globals['_STATSREQUEST']._serialized_start=2561
+  _globals['_STATSREQUEST']._serialized_end=2575
+  _globals['_TIERSTATE']._serialized_start=2577
+  _globals['_TIERSTATE']._serialized_end=2666
+  _globals['_STATSRESPONSE']._serialized_start=2669
+  _globals['_STATSRESPONSE']._serialized_end=2814
+  _globals['_MEMORYINFO']._serialized_start=2816
+  _globals['_MEMORYINFO']._serialized_end=2905
+  _globals['_MEMORYHEADER']._serialized_start=2907
+  _globals['_MEMORYHEADER']._serialized_end=2952
+  _globals['_MEMORYPART']._serialized_start=2954
+  _globals['_MEMORYPART']._serialized_end=3038
+  _globals['_PUTMEMORYRESPONSE']._serialized_start=3040
+  _globals['_PUTMEMORYRESPONSE']._serialized_end=3120
+  _globals['_GETMEMORYREQUEST']._serialized_start=3122
+  _globals['_GETMEMORYREQUEST']._serialized_end=3159
+  _globals['_LISTMEMORIESREQUEST']._serialized_start=3161
+  _globals['_LISTMEMORIESREQUEST']._serialized_end=3182
+  _globals['_LISTMEMORIESRESPONSE']._serialized_start=3184
+  _globals['_LISTMEMORIESRESPONSE']._serialized_end=3252
+  _globals['_DELETEMEMORYREQUEST']._serialized_start=3254
+  _globals['_DELETEMEMORYREQUEST']._serialized_end=3294
+  _globals['_DELETEMEMORYRESPONSE']._serialized_start=3296
+  _globals['_DELETEMEMORYRESPONSE']._serialized_end=3335
+  _globals['_CACHESERVICE']._serialized_start=3561
+  _globals['_CACHESERVICE']._serialized_end=4646
+  _globals['_MEMORYSERVICE']._serialized_start=4649
+  _globals['_MEMORYSERVICE']._serialized_end=5001
 # @@protoc_insertion_point(module_scope)

@@ -253,6 +253,20 @@ class ReleaseLoadResponse(_message.Message):
     released: bool
     def __init__(self, released: _Optional[bool] = ...) -> None: ...
 
+class TouchChunksRequest(_message.Message):
+    __slots__ = ("namespace_id", "chunk_hashes")
+    NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    namespace_id: bytes
+    chunk_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, namespace_id: _Optional[bytes] = ..., chunk_hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class TouchChunksResponse(_message.Message):
+    __slots__ = ("num_touched",)
+    NUM_TOUCHED_FIELD_NUMBER: _ClassVar[int]
+    num_touched: int
+    def __init__(self, num_touched: _Optional[int] = ...) -> None: ...
+
 class ChunkHeader(_message.Message):
     __slots__ = ("namespace_id", "chunk_hash", "length", "found", "tier", "token_ids", "parent_hash")
     NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]

@@ -74,6 +74,11 @@ class CacheServiceStub:
                 request_serializer=lmcache__svc_dot_v1_dot_cache__pb2.ReleaseLoadRequest.SerializeToString,
                 response_deserializer=lmcache__svc_dot_v1_dot_cache__pb2.ReleaseLoadResponse.FromString,
                 _registered_method=True)
+        self.TouchChunks = channel.unary_unary(
+                '/lmcache_svc.v1.CacheService/TouchChunks',
+                request_serializer=lmcache__svc_dot_v1_dot_cache__pb2.TouchChunksRequest.SerializeToString,
+                response_deserializer=lmcache__svc_dot_v1_dot_cache__pb2.TouchChunksResponse.FromString,
+                _registered_method=True)
         self.Put = channel.stream_unary(
                 '/lmcache_svc.v1.CacheService/Put',
                 request_serializer=lmcache__svc_dot_v1_dot_cache__pb2.ChunkPart.SerializeToString,
@@ -158,6 +163,14 @@ class CacheServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def TouchChunks(self, request, context):
+        """Chunks a client read from the shared segment without a lease, located through the
+        lookup index: the server counts the reads and makes the chunks the most recently used.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Put(self, request_iterator, context):
         """Inline transfers for clients without the shared segment: a header, then data pieces.
         """
@@ -225,6 +238,11 @@ def add_CacheServiceServicer_to_server(servicer, server):
                     servicer.ReleaseLoad,
                     request_deserializer=lmcache__svc_dot_v1_dot_cache__pb2.ReleaseLoadRequest.FromString,
                     response_serializer=lmcache__svc_dot_v1_dot_cache__pb2.ReleaseLoadResponse.SerializeToString,
+            ),
+            'TouchChunks': grpc.unary_unary_rpc_method_handler(
+                    servicer.TouchChunks,
+                    request_deserializer=lmcache__svc_dot_v1_dot_cache__pb2.TouchChunksRequest.FromString,
+                    response_serializer=lmcache__svc_dot_v1_dot_cache__pb2.TouchChunksResponse.SerializeToString,
             ),
             'Put': grpc.stream_unary_rpc_method_handler(
                     servicer.Put,
@@ -463,6 +481,33 @@ class CacheService:
             '/lmcache_svc.v1.CacheService/ReleaseLoad',
             lmcache__svc_dot_v1_dot_cache__pb2.ReleaseLoadRequest.SerializeToString,
             lmcache__svc_dot_v1_dot_cache__pb2.ReleaseLoadResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def TouchChunks(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/lmcache_svc.v1.CacheService/TouchChunks',
+            lmcache__svc_dot_v1_dot_cache__pb2.TouchChunksRequest.SerializeToString,
+            lmcache__svc_dot_v1_dot_cache__pb2.TouchChunksResponse.FromString,
             options,
             channel_credentials,
             insecure,

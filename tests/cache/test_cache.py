@@ -56,6 +56,21 @@ def test_lru_eviction_order_without_lower_tier(cache_factory) -> None:
     assert cache.metrics.evictions.labels(tier="cpu")._value.get() == 2
 
 
+def test_a_touch_keeps_a_chunk_read_in_place_recent_and_counts_its_read(cache_factory) -> None:
+    """A client that read chunks without a lease reports them (``TouchChunks``): they become
+    the most recently used, as a lease would make them, and their bytes count as read."""
+    cache = cache_factory(4)
+    put(cache, "a", "b", "c", "d")
+    read = cache.metrics.bytes_read.labels(tier="cpu")
+    before = read._value.get()
+    assert cache.touch(NS, [make_hash("a"), make_hash("zz")]) == 1  # zz: not held
+    assert read._value.get() - before == CHUNK
+    put(cache, "e")
+    assert where(cache, "a", "b", "c", "d", "e") == ["cpu", None, "cpu", "cpu", "cpu"]
+    with pytest.raises(InvalidArgument):
+        cache.touch(NS, [b"short"])
+
+
 def test_eviction_demotes_to_ssd_and_load_promotes_back(cache_factory) -> None:
     cache = cache_factory(4, ssd_chunks=8)
     put(cache, "a", "b", "c", "d", "e")

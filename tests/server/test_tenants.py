@@ -308,6 +308,7 @@ def test_grpc_other_tenants_namespace_looks_unregistered(grpc_server: ServerProc
     with CacheClient(grpc_server.grpc, auth_token=BOB) as bob:
         bob_id = bob.register_namespace(GRPC_NS)
         assert bob.put(bob_id, list(zip(hashes, data))) == 2
+        assert bob.touch(bob_id, hashes) == 2  # read in place: reported
     never = make_namespace(tenant="bob", chunk_size=256, model="never").namespace_id
     with CacheClient(grpc_server.grpc, auth_token=ACME) as acme:
         with pytest.raises(errors.PermissionDenied, match="tenant 'acme'"):
@@ -315,6 +316,7 @@ def test_grpc_other_tenants_namespace_looks_unregistered(grpc_server: ServerProc
         calls: list[Callable[[bytes], object]] = [
             lambda ns: acme.lookup(ns, hashes),
             lambda ns: acme.prepare_load(ns, hashes),
+            lambda ns: acme.touch(ns, hashes),
             lambda ns: acme.get(ns, hashes),
             lambda ns: acme.delete(ns, hashes),
             lambda ns: acme.prepare_store(ns, hashes),

@@ -24,6 +24,7 @@ from lmcache_svc.shm.lookup_index import (
     IndexReader,
     answer_locally,
     key_fingerprint,
+    location_word,
     open_index_segments,
     unsupported_cpu_reason,
 )
@@ -313,3 +314,137 @@ def test_only_x86_64_shares_the_index(
     assert (reason is None) == supported
     if reason is not None:
         assert repr(machine or "unknown") in reason and "x86-64" in reason
+
+
+# -- locations: loads without a lease ------------------------------------------------------
+
+PAGE = 4096
+
+
+def test_locate_gives_every_chunk_s_offset_or_nothing(seg: IndexSegment) -> None:
+    reader = _reader(seg)
+    hs = _hashes(4, random.Random(21))
+    for i, h in enumerate(hs[:3]):
+        assert seg.table.insert(NS + h, PAGE * (10 + i))
+    located = reader.locate(NS, hs[:3])
+    assert located is not None and located.offsets == [PAGE * 10, PAGE * 11, PAGE * 12]
+    assert reader.unchanged(located) == 3
+    assert reader.locate(NS, hs) is None  # the fourth is not indexed: all or nothing
+    seg.table.insert(NS + hs[3])  # indexed without a location (not in the arena)
+    assert reader.lookup(NS, hs).num_hit_chunks == 4  # type: ignore[union-attr]
+    assert reader.locate(NS, hs) is None
+    # Offsets that cannot be located: inside the header, not page-aligned.
+    assert location_word(0, 1) == 0 and location_word(PAGE + 8, 1) == 0
+    assert location_word(PAGE << 32, 1) == 0  # past 2^32 pages
+
+
+def test_unchanged_counts_entries_kept_through_a_copy(seg: IndexSegment) -> None:
+    """Another chunk's insert changes the table but not the located entries; a removal, or
+    a removal and a new insert of the same chunk in the same slot, does."""
+    reader = _reader(seg)
+    a, b, c, other = _hashes(4, random.Random(22))
+    for i, h in enumerate((a, b, c)):
+        seg.table.insert(NS + h, PAGE * (1 + i))
+    located = reader.locate(NS, [a, b, c])
+    assert located is not None
+    seg.table.insert(NS + other, PAGE * 9)  # the sequence counter moved
+    assert reader.unchanged(located) == 3
+    seg.table.remove(NS + b)
+    seg.table.insert(NS + b, PAGE * 2)  # same chunk, same slot: its bytes may be new
+    assert seg.table.location(NS + b) != located.locations[1]  # a new serial
+    assert reader.unchanged(located) == 1  # a, then b changed (c is past it)
+    seg.table.remove(NS + a)
+    assert reader.unchanged(located) == 0
+
+
+def test_a_fingerprint_match_with_another_check_word_is_no_hit(seg: IndexSegment) -> None:
+    """Fingerprint and check word together identify an entry: a key sharing only the first
+    64 bits with an indexed chunk is neither found nor located."""
+    reader = _reader(seg)
+    h = random.Random(23).randbytes(32)
+    twin = h[:8] + bytes(x ^ 0xFF for x in h[8:16]) + h[16:]  # same fingerprint
+    assert key_fingerprint(NS + twin) == key_fingerprint(NS + h)
+    seg.table.insert(NS + h, PAGE * 3)
+    assert reader.lookup(NS, [twin]).num_hit_chunks == 0  # type: ignore[union-attr]
+    assert reader.locate(NS, [twin]) is None
+    assert not seg.table.contains(NS + twin) and not seg.table.remove(NS + twin)
+    assert seg.table.insert(NS + twin, PAGE * 4) and seg.table.num_entries == 2
+    located = reader.locate(NS, [h, twin])
+    assert located is not None and located.offsets == [PAGE * 3, PAGE * 4]
+
+
+def test_a_refused_chunk_keeps_its_location_until_indexed(seg: IndexSegment) -> None:
+    hs = _hashes(seg.table.max_entries + 1, random.Random(24))
+    for i, h in enumerate(hs):
+        seg.table.insert(NS + h, PAGE * (1 + i))
+    assert not seg.table.contains(NS + hs[-1])
+    seg.table.remove(NS + hs[0])
+    located = _reader(seg).locate(NS, [hs[-1]])
+    assert located is not None and located.offsets == [PAGE * len(hs)]
+
+
+def test_readers_racing_the_writer_never_keep_a_moved_chunk() -> None:
+    """The writer moves chunks between pages (remove, insert elsewhere or in the same page
+    again) and records, per page, a write counter bumped while no entry names the page (as
+    the server frees a slot only after removing its entry). A reader that locates a chunk,
+    reads the page's counter twice around a pause (its "copy"), and finds the entry
+    unchanged must have seen the counter unchanged: the page was not rewritten meanwhile."""
+    seg = IndexSegment("acme", "cpu", "host_memory", 64)
+    rng = random.Random(25)
+    chunks = _hashes(30, rng)
+    writes = [0] * 64  # per page: bumped only while no entry points at the page
+    stop = threading.Event()
+    errors: list[str] = []
+    kept = [0]
+
+    def write() -> None:
+        wrng = random.Random(26)
+        where: dict[bytes, int] = {}
+        free = list(range(1, 64))
+        while not stop.is_set():
+            seg.table.beat()
+            h = wrng.choice(chunks)
+            if h in where:
+                seg.table.remove(NS + h)
+                page = where.pop(h)
+                writes[page] += 1  # the slot is freed and rewritten by another store
+                free.append(page)
+            elif len(where) < 40:
+                page = free.pop(wrng.randrange(len(free)))
+                where[h] = page
+                seg.table.insert(NS + h, PAGE * page)
+
+    def read() -> None:
+        reader = _reader(seg)
+        rrng = random.Random(27)
+        for _ in range(3000):
+            h = rrng.choice(chunks)
+            located = reader.locate(NS, [h])
+            if located is None:
+                continue
+            page = located.offsets[0] // PAGE
+            before = writes[page]
+            time.sleep(0)  # the copy: let the writer run
+            after = writes[page]
+            if reader.unchanged(located) == 1:
+                kept[0] += 1
+                if after != before:
+                    errors.append(f"page {page} rewritten during a copy kept as good")
+
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        writer = threading.Thread(target=write)
+        readers = [threading.Thread(target=read) for _ in range(2)]
+        writer.start()
+        for t in readers:
+            t.start()
+        for t in readers:
+            t.join()
+        stop.set()
+        writer.join()
+    finally:
+        sys.setswitchinterval(old)
+        seg.close()
+    assert not errors, errors[:3]
+    assert kept[0] > 100  # most copies are kept

@@ -61,6 +61,7 @@ _CACHE_POLICIES: dict[str, _Policy] = {
     "CommitStore": _Policy(_own_namespace_id, write=True),
     "PrepareLoad": _Policy(_own_namespace_id),
     "ReleaseLoad": _Policy(_anyone),
+    "TouchChunks": _Policy(_own_namespace_id),  # reads, as PrepareLoad's
     "Put": _Policy(_own_namespace_id, write=True),  # checked on every chunk header
     "Get": _Policy(_own_namespace_id),
     "Delete": _Policy(_own_namespace_id, write=True),

@@ -289,6 +289,15 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
         return pb.ReleaseLoadResponse(released=self._cache.release_load(request.lease_id))
 
     @unary_rpc
+    async def TouchChunks(
+        self, request: pb.TouchChunksRequest, context: grpc.aio.ServicerContext
+    ) -> pb.TouchChunksResponse:
+        num = await self._slots(
+            self._cache.touch, request.namespace_id, request.chunk_hashes, arena_only=True
+        )
+        return pb.TouchChunksResponse(num_touched=num)
+
+    @unary_rpc
     async def Put(
         self, request_iterator: AsyncIterator[pb.ChunkPart], context: grpc.aio.ServicerContext
     ) -> pb.PutResponse:
