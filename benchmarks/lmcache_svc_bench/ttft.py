@@ -16,8 +16,9 @@ strategies). Each cell has several queries (different random tokens of the same 
 ``--set`` keys: ``model`` (tiny|medium), ``contexts`` / ``queries`` (comma-separated token
 counts), ``num_queries``, ``max_tokens``, ``chunk_size`` (configure (b)'s plugin with it;
 default: unset, so the plugin derives it from the block size), ``strategies`` (of
-a,b,b256,c,d; b256 is (b) with ``chunk_size: 256``, the plugin's default before it was
-derived from the block size), ``seed``.
+a,b,b256,bl,c,d; b256 is (b) with ``chunk_size: 256``, the plugin's default before it was
+derived from the block size; bl is (b) with ``read_in_place: false``, every load under a
+lease, the plugin's default before loads were read in place), ``seed``.
 """
 
 from __future__ import annotations
@@ -53,9 +54,10 @@ from lmcache_svc_bench.vllm_ttft import (
 from lmcache_svc_bench.vllm_ttft_breakdown import memcpy_gbps
 from lmcache_svc_bench.vllm_ttft_report import write_report
 
-STRATEGIES = ("a", "b", "b256", "c", "d")
+STRATEGIES = ("a", "b", "b256", "bl", "c", "d")
 QUICK_STRATEGIES = FULL = "a,b,c,d"
 EXPLICIT_CHUNKS = {"b256": 256}  # strategies that configure a chunk size of their own
+PLUGIN_SETTINGS = {"bl": {"read_in_place": False}}  # other settings of a (b) variant
 
 
 @dataclass(frozen=True)
@@ -173,9 +175,10 @@ def _run_strategies(
                 results[name] = example_connector(setup, workload, storage_dir)
             else:
                 chunk_size = EXPLICIT_CHUNKS.get(name, p.chunk_size)
+                settings = PLUGIN_SETTINGS.get(name, {})
                 write_contexts(setup, workload, name, plugin_config(setup, chunk_size))
                 results[name] = lmcache_svc(
-                    setup, workload, chunk_size=chunk_size, name=f"{name}-lmcache"
+                    setup, workload, chunk_size=chunk_size, name=f"{name}-lmcache", **settings
                 )
     finally:
         shutil.rmtree(storage_dir, ignore_errors=True)

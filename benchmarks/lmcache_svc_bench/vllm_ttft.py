@@ -123,20 +123,24 @@ def write_contexts(setup: Setup, workload: Workload, name: str, config: dict[str
         writer.close()
 
 
-def plugin_config(setup: Setup, chunk_size: int | None) -> dict[str, Any]:
-    """The plugin's config: ``chunk_size`` None leaves it unset (the plugin's default)."""
-    if chunk_size is None:
-        return kv_transfer_config(setup.server_socket)
-    return kv_transfer_config(setup.server_socket, chunk_size=chunk_size)
+def plugin_config(setup: Setup, chunk_size: int | None, **settings: Any) -> dict[str, Any]:
+    """The plugin's config: ``chunk_size`` None leaves it unset (the plugin's default);
+    ``settings``: other keys of its extra config."""
+    if chunk_size is not None:
+        settings = {**settings, "chunk_size": chunk_size}
+    return kv_transfer_config(setup.server_socket, **settings)
 
 
-def lmcache_svc(setup: Setup, workload: Workload, *, chunk_size: int | None, name: str) -> Results:
-    """Measure (b); the contexts must have been written with ``plugin_config``."""
+def lmcache_svc(
+    setup: Setup, workload: Workload, *, chunk_size: int | None, name: str, **settings: Any
+) -> Results:
+    """Measure (b); the contexts must have been written with ``plugin_config``.
+    ``settings``: other plugin settings of the measured engine."""
     chunk = PLUGIN_DEFAULT_CHUNK if chunk_size is None else chunk_size
     num_chunks = sum(len(c) // chunk for c in workload.contexts.values())
     held = wait_for_commits(setup.server_socket, num_chunks)
     setup.progress(f"  the server holds {held} chunks (the contexts alone: {num_chunks})")
-    config = plugin_config(setup, chunk_size)
+    config = plugin_config(setup, chunk_size, **settings)
     engine = _start(setup, name, kv_config=config, prefix_caching=False)
     try:
         return measure(engine, workload, setup.progress)

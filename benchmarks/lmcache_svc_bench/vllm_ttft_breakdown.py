@@ -8,8 +8,9 @@ request's marks (``Sample.marks``, up to its first token) this module takes:
 - steps: ``step()`` calls up to the first token (a deferred lookup costs one more);
 - lookup: from the scheduler's first ``get_num_new_matched_tokens`` to the lookup
   thread's answer; deferred: scheduler steps that went on without it;
-- load: ``start_load_kv``, split into the lease (``prepare_load`` round trip) and the
-  copies into vLLM's blocks;
+- load: ``start_load_kv``, split into finding the chunks (the lease, a ``prepare_load``
+  round trip, or, reading in place, the lookup index; both after a read in place that had
+  to be redone) and the copies into vLLM's blocks;
 - save: ``wait_for_save``, split into waiting for the slot reservation and the copies;
 - other hooks: the rest of the plugin's hook time (both halves);
 - vLLM: everything outside the plugin's hooks (scheduling, the forward pass, the engine's
@@ -90,13 +91,27 @@ def _between(marks: Marks, span: tuple[float, float], first: str, second: str) -
     return (min(end, hi) if end is not None else hi) - start
 
 
+def _load_parts(marks: Marks, span: tuple[float, float]) -> tuple[float, float]:
+    """(finding the chunks, copying them) in ms inside one ``start_load_kv`` span: the copy
+    starts at the last ``load.acquired`` or ``load.located`` before ``load.copied``."""
+    lo, hi = span
+    inside = [(ms, n) for ms, n in marks if lo <= ms <= hi]
+    copied = next((ms for ms, n in inside if n == "load.copied"), None)
+    if copied is None:
+        return hi - lo, 0.0
+    found = [ms for ms, n in inside if n in ("load.acquired", "load.located") and ms <= copied]
+    start = found[-1] if found else lo
+    return start - lo, copied - start
+
+
 def breakdown(sample: Sample) -> Breakdown:
     marks = until_first(sample.marks)
     spans = hook_spans(marks)
     total = sum(b - a for s in spans.values() for a, b in s)
     loads, saves = spans.get("start_load_kv", []), spans.get("wait_for_save", [])
-    load_lease = sum(_between(marks, s, "", "load.acquired") for s in loads)
-    load_copy = sum(_between(marks, s, "load.acquired", "load.copied") for s in loads)
+    parts = [_load_parts(marks, s) for s in loads]
+    load_lease = sum(p[0] for p in parts)
+    load_copy = sum(p[1] for p in parts)
     save_wait = sum(_between(marks, s, "", "save.reserved") for s in saves)
     save_copy = sum(_between(marks, s, "save.reserved", "save.copied") for s in saves)
     asked = _first(marks, "get_num_new_matched_tokens>")
@@ -143,7 +158,7 @@ def breakdown_table(
     """The per-phase table of ``name`` next to (c) and (d); the medians per cell."""
     others = [n for n in ("c", "d") if n in results]
     columns = ["context", "query", f"({name}) TTFT", "steps", "lookup", "deferred"]
-    columns += ["load: lease", "load: copy", "save: wait", "save: copy", "other hooks"]
+    columns += ["load: lease or index", "load: copy", "save: wait", "save: copy", "other hooks"]
     columns += [f"({name}) outside hooks", *(f"({n}) TTFT" for n in others)]
     columns += [f"({n}) steps" for n in others]
     table = report.table(f"Where ({name})'s time to first token goes (median ms per cell)", columns)
@@ -159,8 +174,9 @@ def breakdown_table(
         "From the time marks of the runner and the plugin (trace.py), up to the first token; "
         "each column the median over the cell's queries (so the parts need not add up).",
         "lookup: the scheduler's first get_num_new_matched_tokens to the lookup thread's "
-        "answer (off the engine's path unless it is deferred). load: start_load_kv, the lease "
-        "(prepare_load) then the copies into vLLM's blocks. save: wait_for_save, the wait for "
+        "answer (off the engine's path unless it is deferred). load: start_load_kv, finding "
+        "the chunks (the lease, prepare_load, or reading in place the lookup index) then the "
+        "copies into vLLM's blocks. save: wait_for_save, the wait for "
         "the slots reserved during the forward pass then the copies out. other hooks: the "
         "plugin's remaining hook time, both halves. outside hooks: TTFT minus the plugin's "
         "hooks (vLLM's scheduling, forward pass and process hops).",

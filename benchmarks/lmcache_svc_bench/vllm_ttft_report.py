@@ -29,6 +29,7 @@ LABELS = {
     "a": "(a) prompt only",
     "b": "(b) lmcache-svc",
     "b256": "(b256) lmcache-svc, 256-token chunks",
+    "bl": "(bl) lmcache-svc, every load leased (read_in_place: false)",
     "c": "(c) vLLM prefix cache",
     "d": "(d) ExampleConnector",
 }
@@ -139,6 +140,8 @@ def write_report(
     _served_table(report, results, cells, names)
     if "b" in results and traced(results):
         breakdown_table(report, results, cells)
+        if "bl" in results:
+            breakdown_table(report, results, cells, "bl")
     if "b" in results:  # the targets hold for what a user gets: (b)
         _targets(report, results, cells, "b")
     if "b" in results and "c" in results:

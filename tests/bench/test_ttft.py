@@ -141,6 +141,24 @@ def test_breakdown_splits_a_hit_into_its_phases() -> None:
     assert b.vllm == pytest.approx(10.0 - b.plugin)
 
 
+def test_breakdown_of_a_load_read_in_place() -> None:
+    """Read in place, the chunks are found in the lookup index (no lease); a read in place
+    that had to be redone under a lease counts both as finding, the last copy as copying."""
+    in_place = [
+        (0.0, "ttft.add"), (0.1, "step>"), (1.0, "start_load_kv>"), (1.1, "load.located"),
+        (1.9, "load.copied"), (2.0, "start_load_kv<"), (5.0, "step<"), (5.0, "ttft.first"),
+    ]  # fmt: skip
+    b = breakdown(Sample(0.005, [1], 512, in_place))
+    assert (b.load_lease, b.load_copy) == (pytest.approx(0.1), pytest.approx(0.8))
+    redone = [
+        (0.0, "ttft.add"), (0.1, "step>"), (1.0, "start_load_kv>"), (1.1, "load.located"),
+        (1.9, "load.changed"), (2.9, "load.acquired"), (3.4, "load.copied"),
+        (3.5, "start_load_kv<"), (5.0, "step<"), (5.0, "ttft.first"),
+    ]  # fmt: skip
+    b = breakdown(Sample(0.005, [1], 512, redone))
+    assert (b.load_lease, b.load_copy) == (pytest.approx(1.9), pytest.approx(0.5))
+
+
 @pytest.mark.slow
 @pytest.mark.vllm
 @pytest.mark.timeout(1200)

@@ -37,10 +37,14 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProc]:
 
 
 def engine(
-    url: str, prefetches: Prefetches | None
+    url: str, prefetches: Prefetches | None, read_in_place: bool = False
 ) -> tuple[SchedulerSide, WorkerSide, list[torch.Tensor]]:
-    """One engine's two halves in this process; the worker attaches to ``prefetches``."""
-    config = ConnectorConfig(url=url, chunk_size=CHUNK, lookup_timeout_ms=2000)
+    """One engine's two halves in this process; the worker attaches to ``prefetches``.
+    Loads take leases (``read_in_place`` off: a worker that reads in place leases nothing,
+    so it attaches to nothing, ``test_reads_in_place_need_no_prefetch``)."""
+    config = ConnectorConfig(
+        url=url, chunk_size=CHUNK, lookup_timeout_ms=2000, read_in_place=read_in_place
+    )
     stats = StatsRecorder()
     scheduler = SchedulerSide(
         config, [NAMESPACE], BLOCK, ServerLink(config, NAMESPACE, "prefetch-scheduler"), stats,
@@ -147,6 +151,30 @@ def test_a_worker_in_another_process_leases_itself(
         assert worker.take_load_errors() == set() and len(leases) == 1
         pages = layers[0].view(NUM_BLOCKS, -1).view(torch.uint8)
         assert bool((pages[4:6] == 2).all())
+    finally:
+        worker.shutdown()
+        scheduler.shutdown()
+
+
+def test_reads_in_place_need_no_prefetch(
+    server: ServerProc, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A worker that reads in place (the CPU default) does not attach: the scheduler starts
+    no lease, and the worker loads without one."""
+    prefetches = Prefetches()
+    scheduler, worker, layers = engine(server.socket, prefetches, read_in_place=True)
+    worker.link.warm_up()
+    prompt = list(range(11000, 11000 + 2 * CHUNK + 10))
+    store(server, prompt, 2)
+    leases = count_calls(monkeypatch, CacheClient, "prepare_load")
+    try:
+        plan = schedule(scheduler, "r3", prompt)
+        assert len(prefetches) == 0
+        worker.bind(plan)
+        worker.start_load(plan)
+        assert worker.take_load_errors() == set() and leases == []
+        pages = layers[0].view(NUM_BLOCKS, -1).view(torch.uint8)
+        assert bool((pages[2:4] == 1).all()) and bool((pages[4:6] == 2).all())
     finally:
         worker.shutdown()
         scheduler.shutdown()

@@ -197,7 +197,7 @@ def test_a_failing_async_load_still_finishes_the_request(
 ) -> None:
     # An exception on the loader thread used to vanish into an unread future: the request
     # was never reported finished and vLLM waited for it forever.
-    dst, _ = make_worker(server.socket, True, seed=8)
+    dst, _ = make_worker(server.socket, True, seed=8, read_in_place=False)
 
     def broken_acquire(*args: object, **kwargs: object) -> None:
         raise RuntimeError("acquire broke")
@@ -235,3 +235,89 @@ def test_failures_on_the_io_thread_are_logged_and_reach_nothing_in_vllm(
     assert "_publish failed on the I/O thread" in caplog.text
     assert "reserving store slots failed" in caplog.text
     assert caplog.text.count("the link broke") >= 2
+
+
+# -- loads without a lease (read_in_place) -------------------------------------------------
+
+
+def _saved(server: ServerProc, seed: int, hashes: tuple[bytes, ...], blocks: tuple[int, ...]):
+    """A worker that saved ``hashes`` from ``blocks``, and its layers."""
+    src, layers = make_worker(server.socket, True, seed=seed)
+    save = StepPlan(saves=[SavePlan(f"save-{seed}", (hashes,), blocks)])
+    src.bind(save)
+    src.wait_for_save(save)
+    return src, layers
+
+
+def _ready_worker(server: ServerProc, seed: int) -> tuple[WorkerSide, list[torch.Tensor]]:
+    dst, layers = make_worker(server.socket, True, seed=seed)
+    dst.link.warm_up()  # the segment and the index mapped before the first load
+    return dst, layers
+
+
+def test_loads_read_in_place_take_no_lease(
+    server: ServerProc, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    clear_server(server)
+    src, src_layers = _saved(server, 11, HASHES[:2], (3, 4, 9, 2))
+    wait_stored(server, 2)
+    leases = count_calls(monkeypatch, CacheClient, "prepare_load")
+    touches = count_calls(monkeypatch, CacheClient, "touch")
+    dst, dst_layers = _ready_worker(server, 12)
+    load = StepPlan(loads=[LoadPlan("r5", (HASHES[:2],), 1, (7, 5, 6), is_async=False)])
+    dst.bind(load)
+    dst.start_load(load)
+    assert dst.take_load_errors() == set()
+    for s, d in zip(src_layers, dst_layers):
+        assert torch.equal(d[7], s[4]) and torch.equal(d[5], s[9]) and torch.equal(d[6], s[2])
+    assert leases == []
+    wait_until(lambda: touches, 5, "the server told what was read")
+    assert [list(hashes) for _, hashes in touches] == [list(HASHES[:2])]
+    data = dst.stats.take()
+    assert data is not None and data["load_chunks"] == data["load_in_place_chunks"] == 2
+    assert data["load_in_place_retries"] == 0
+    # Off: the same load takes a lease.
+    off, _ = make_worker(server.socket, True, seed=13, read_in_place=False)
+    off.link.warm_up()
+    off.start_load(load)
+    assert off.take_load_errors() == set() and len(leases) == 1
+    for w in (src, dst, off):
+        w.shutdown()
+
+
+def test_a_chunk_freed_and_overwritten_during_the_copy_is_not_kept(
+    server: ServerProc, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """While the worker copies chunk 1 in place, the server drops it and another chunk's
+    store takes the freed slot: the copy may hold that chunk's bytes. The check after the
+    copy sees chunk 1's entry gone, the load is made again under a lease, and chunk 1's
+    blocks (gone from the server) are recomputed, never served with the other's bytes."""
+    clear_server(server)
+    src, src_layers = _saved(server, 21, HASHES[:2], (3, 4, 9, 2))
+    wait_stored(server, 2)
+    dst, dst_layers = _ready_worker(server, 22)
+    leases = count_calls(monkeypatch, CacheClient, "prepare_load")
+    copy_in = dst._copy_in  # noqa: SLF001
+    overwritten: list[WorkerSide] = []
+
+    def copy_after_a_change(*args: object) -> object:
+        if not overwritten:  # the first copy: the in-place one
+            with CacheClient(server.socket) as client:
+                assert client.delete(client.register_namespace(NAMESPACE), HASHES[1:2]) == 1
+            other, _ = _saved(server, 23, HASHES[2:3], (0, 1))  # takes the freed slot
+            overwritten.append(other)
+        return copy_in(*args)
+
+    monkeypatch.setattr(dst, "_copy_in", copy_after_a_change)
+    load = StepPlan(loads=[LoadPlan("r6", (HASHES[:2],), 0, (7, 5, 6, 8), is_async=False)])
+    dst.bind(load)
+    dst.start_load(load)
+    assert dst.take_load_errors() == {6, 8}  # chunk 1: recomputed
+    assert len(leases) == 1  # loaded again under a lease
+    for s, d in zip(src_layers, dst_layers):
+        assert torch.equal(d[7], s[3]) and torch.equal(d[5], s[4])  # chunk 0: good
+    data = dst.stats.take()
+    assert data is not None and data["load_in_place_retries"] == 1
+    assert data["load_in_place_chunks"] == 0 and data["load_chunks"] == 1
+    for w in (src, dst, *overwritten):
+        w.shutdown()

@@ -84,6 +84,10 @@ class ConnectorConfig:
     """Answer the scheduler's lookups from the server's shared-memory index when it is
     mapped here (same host, ``use_shm``), without a round trip; otherwise, or when the
     index cannot tell (a lower tier, an overflowed table), ask the server."""
+    read_in_place: bool = True
+    """Load chunks the server's shared-memory index locates in the mapped segment without
+    the lease round trip, checking afterwards that none changed during the copy (one that
+    did is loaded again under a lease). CPU copies only; ``false``: every load leases."""
     auth_token: str | None = None
     """Bearer token for a server started with auth; default: $LMCACHE_SVC_AUTH_TOKEN."""
     keep_load_failure_policy: bool = False
@@ -139,7 +143,7 @@ class ConnectorConfig:
 # Types of ConnectorConfig's and Tuning's keys together (no name is in both).
 _FLOAT_FIELDS = {"lookup_timeout_ms", "lookup_wait_ms", "rpc_timeout_ms", "retry_interval_s"}
 _INT_FIELDS = {"chunk_size", "async_load_min_tokens", "store_pool_chunks"}
-_BOOL_FIELDS = {"use_shm", "local_lookup", "keep_load_failure_policy"}
+_BOOL_FIELDS = {"use_shm", "local_lookup", "read_in_place", "keep_load_failure_policy"}
 _OPTIONAL_FIELDS = {"chunk_size"}  # null: the default
 
 

@@ -9,7 +9,8 @@ underneath reconnects by itself and re-registers the namespace after a server re
 
 Bulk bytes take the shared segment when the server's segment is mapped here; otherwise
 (another host, or ``use_shm: false``) they are streamed inline. ``reserve``/``publish``
-and ``acquire``/``release`` hide the difference from the worker.
+and ``acquire``/``release`` hide the difference from the worker. ``read_in_place`` reads a
+load's chunks from the segment without a lease when the server's lookup index locates them.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from typing import TypeVar
 from lmcache_svc.backoff import Backoff
 from lmcache_svc.client import CacheClient, LoadLease, LookupResult
 from lmcache_svc.client.events import ChunkTokens, EventsSource
+from lmcache_svc.client.in_place import InPlaceRead
 from lmcache_svc.client.store_pool import PooledSlot, StorePool
 from lmcache_svc.errors import LMCacheSvcError, ServerUnavailable
 from lmcache_svc.keys import Namespace, NamespaceId
@@ -277,6 +279,23 @@ class ServerLink:
         if lease is None:
             return None
         return Acquired(list(lease.buffers), lease)
+
+    def read_in_place(self, hashes: Sequence[bytes]) -> InPlaceRead | None:
+        """Views of every chunk's bytes in the mapped segment, located through the server's
+        lookup index with no round trip and no lease; None when they cannot all be (then
+        ``acquire``). The caller checks ``unchanged()`` after its copies and ``touch``es."""
+        ns_id = self._namespace_id
+        if ns_id is None or not self._shm_mapped or self.is_down:
+            return None
+        try:
+            return self._client.read_in_place(ns_id, hashes)
+        except Exception:  # never into vLLM: a lease is taken instead
+            logger.exception("lmcache-svc: reading chunks in place failed")
+            return None
+
+    def touch(self, hashes: Sequence[bytes]) -> None:
+        """Tell the server about chunks read in place (they stay recently used)."""
+        self._guarded("touch", lambda ns: self._client.touch(ns, hashes))
 
     def release(self, acquired: Acquired) -> None:
         lease = acquired.lease

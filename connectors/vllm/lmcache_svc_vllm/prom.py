@@ -27,6 +27,8 @@ _COUNTER_DOCS = {
     "load_chunks": "Chunks loaded from lmcache-svc into KV blocks.",
     "load_bytes": "Bytes loaded from lmcache-svc into KV blocks.",
     "load_failed_blocks": "KV blocks that failed to load and were recomputed.",
+    "load_in_place_chunks": "Of the chunks loaded, those read in place without a lease.",
+    "load_in_place_retries": "Loads in place a chunk changed under (loaded under a lease).",
     "save_chunks": "Chunks saved from KV blocks to lmcache-svc.",
     "save_bytes": "Bytes saved from KV blocks to lmcache-svc.",
     "save_skipped_chunks": "Chunks not saved: already stored, no room, or server unavailable.",

@@ -24,6 +24,8 @@ COUNTERS = (
     "load_chunks",  # chunks copied into KV blocks
     "load_bytes",
     "load_failed_blocks",  # blocks reported to vLLM for recomputation
+    "load_in_place_chunks",  # of load_chunks, those read without a lease (read_in_place)
+    "load_in_place_retries",  # reads in place a chunk changed under: loaded under a lease
     "save_chunks",  # chunks copied out of KV blocks and committed
     "save_bytes",
     "save_skipped_chunks",  # already stored, no room, or the server was unavailable

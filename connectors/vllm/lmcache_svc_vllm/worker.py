@@ -1,11 +1,13 @@
 """Worker half: copies KV pages between vLLM's blocks and the server's shared segment.
 
 Loads: lease the chunks (``prepare_load``), copy the leased bytes straight into the
-request's blocks, release (in the background). Sync loads run in ``start_load_kv`` before
-the forward pass; async loads run on a loader thread and are reported through
-``take_finished``. Chunks the
-server no longer has (evicted, restarted, unreachable) become failed blocks that vLLM
-recomputes (``take_load_errors``).
+request's blocks, release (in the background). On the CPU, when the server's lookup index
+locates every chunk of a load in the mapped segment, they are copied with no lease and no
+round trip (``read_in_place``), then checked: if one changed during the copy, the load is
+done again under a lease; the server is told what was read afterwards (``touch``). Sync
+loads run in ``start_load_kv`` before the forward pass; async loads run on a loader thread
+and are reported through ``take_finished``. Chunks the server no longer has (evicted,
+restarted, unreachable) become failed blocks that vLLM recomputes (``take_load_errors``).
 
 Saves: the slot reservation (``prepare_store``) is requested when the step's plan arrives,
 so it overlaps the forward pass; after the forward, the completed chunks' pages are copied
@@ -73,6 +75,7 @@ class WorkerSide:
         self._layer_ids: dict[str, int] = {}
         self._layerwise_choice = layerwise
         self._layerwise = False
+        self._in_place = False
         self._pinner: HostPinner | None = None
         self._step_loads: list[LayerEvents] = []
         self._step_plan: StepPlan | None = None
@@ -117,10 +120,11 @@ class WorkerSide:
         self._layer_ids = {n: i for i, n in enumerate(sorted(kv_caches, key=layer_sort_key))}
         is_cuda = pages.device.type == "cuda"
         self._layerwise = is_cuda if self._layerwise_choice is None else self._layerwise_choice
+        self._in_place = self.link.config.read_in_place and pages.device.type == "cpu"
         if is_cuda:
             self._pinner = HostPinner(*cuda_host_registrar())
         self._in_background(self.link.warm_up)
-        if self._prefetches is not None:
+        if self._prefetches is not None and not self._in_place:  # reads in place need none
             self._prefetches.attach(self.namespace.namespace_id, self.link)
         logger.info(
             "lmcache-svc: %d layers, %d-byte pages, %d-byte chunks (%s)",
@@ -282,36 +286,76 @@ class WorkerSide:
             return list(plan.block_ids)
         start = time.perf_counter()
         hashes = plan.hashes_for(self.tp_rank)
-        acquired = self._prefetched(plan.req_id, hashes) or self.link.acquire(hashes)
-        trace.mark("load.acquired")
-        if acquired is None:
-            return self._failed(plan, list(plan.block_ids))
-        num_loaded_blocks = 0
-        events: LayerEvents | None = None
-        try:
-            self._pin(acquired.buffers)
-            chunks = [
-                ChunkLoad(pages.chunk_tensor(buffer), first, block_ids)
-                for (first, block_ids), buffer in zip(self._chunk_blocks(plan), acquired.buffers)
-            ]
-            events = mover.load(chunks)
-            num_loaded_blocks = sum(len(c.block_ids) for c in chunks)
-            if step and self._layerwise:
-                self._step_loads.append(events)
-            else:
-                events.synchronize()
-        except Exception:  # never into vLLM: the blocks are recomputed instead
-            logger.exception("lmcache-svc: copying loaded chunks failed")
-        finally:  # once the bytes are copied, off the step
-            trace.mark("load.copied")
-            self._in_background(self._release_after, events, acquired)
-        num_chunks = min(len(acquired.buffers), len(plan.hashes_for(self.tp_rank)))
+        acquired = self._prefetched(plan.req_id, hashes)
+        loaded = self._load_in_place(plan, hashes) if acquired is None else None
+        if loaded is None:
+            acquired = acquired or self.link.acquire(hashes)
+            trace.mark("load.acquired")
+            if acquired is None:
+                return self._failed(plan, list(plan.block_ids))
+            loaded = self._load_leased(plan, acquired, step)
+        num_chunks, num_loaded_blocks = loaded
         self.stats.time("load_seconds", time.perf_counter() - start)
         self.stats.add(
             load_chunks=num_chunks,
             load_bytes=num_loaded_blocks * pages.geometry.num_layers * pages.geometry.page_bytes,
         )
         return self._failed(plan, list(plan.block_ids[num_loaded_blocks:]))
+
+    def _load_in_place(self, plan: LoadPlan, hashes: Sequence[bytes]) -> tuple[int, int] | None:
+        """Copy every chunk straight from the segment, without a lease (CPU copies only:
+        the check needs the copy done); (chunks, blocks) loaded, or None: lease instead
+        (not all of them located, or one changed while it was copied)."""
+        if not self._in_place:
+            return None
+        read = self.link.read_in_place(hashes)
+        trace.mark("load.located")
+        if read is None:
+            return None
+        try:
+            events, num_blocks = self._copy_in(plan, read.buffers)
+            events.synchronize()
+        except Exception:  # never into vLLM: a lease is taken instead
+            logger.exception("lmcache-svc: copying chunks read in place failed")
+            return None
+        if read.unchanged() < len(read.buffers):
+            trace.mark("load.changed")
+            self.stats.add(load_in_place_retries=1)
+            return None  # its blocks are all written again (or recomputed)
+        trace.mark("load.copied")
+        self._in_background(self.link.touch, hashes)
+        self.stats.add(load_in_place_chunks=len(read.buffers))
+        return len(read.buffers), num_blocks
+
+    def _load_leased(self, plan: LoadPlan, acquired: Acquired, step: bool) -> tuple[int, int]:
+        """Copy a lease's chunks in and release it once they are copied (in the background);
+        (chunks, blocks) loaded."""
+        num_loaded_blocks = 0
+        events: LayerEvents | None = None
+        try:
+            self._pin(acquired.buffers)
+            events, num_loaded_blocks = self._copy_in(plan, acquired.buffers)
+            if step and self._layerwise:
+                self._step_loads.append(events)
+            else:
+                events.synchronize()
+        except Exception:  # never into vLLM: the blocks are recomputed instead
+            logger.exception("lmcache-svc: copying loaded chunks failed")
+            num_loaded_blocks = 0
+        finally:  # once the bytes are copied, off the step
+            trace.mark("load.copied")
+            self._in_background(self._release_after, events, acquired)
+        return min(len(acquired.buffers), len(plan.hashes_for(self.tp_rank))), num_loaded_blocks
+
+    def _copy_in(self, plan: LoadPlan, buffers: Sequence[memoryview]) -> tuple[LayerEvents, int]:
+        """Start copying chunk ``buffers`` into the plan's blocks; (events, blocks)."""
+        assert self._pages is not None and self._mover is not None
+        pages = self._pages
+        chunks = [
+            ChunkLoad(pages.chunk_tensor(buffer), first, block_ids)
+            for (first, block_ids), buffer in zip(self._chunk_blocks(plan), buffers)
+        ]
+        return self._mover.load(chunks), sum(len(c.block_ids) for c in chunks)
 
     def _prefetched(self, req_id: str, hashes: Sequence[bytes]) -> Acquired | None:
         if self._prefetches is None:
