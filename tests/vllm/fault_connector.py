@@ -38,11 +38,25 @@ def _kill_requested_process() -> None:
         return
     path.unlink()
     os.kill(pid, signal.SIGSTOP if stop else signal.SIGKILL)
-    gone = ("T", "t") if stop else ("Z", "X", "")
     deadline = time.monotonic() + 5.0
-    while time.monotonic() < deadline and _state(pid) not in gone:
+    while time.monotonic() < deadline and not (_stopped(pid) if stop else _dead(pid)):
         time.sleep(0.01)
     path.with_suffix(".done").write_text(str(pid))
+
+
+def _stopped(pid: int) -> bool:
+    return _state(pid) in ("T", "t")
+
+
+def _dead(pid: int) -> bool:
+    """Every thread gone: the main thread shows "Z" while others still exit, holding the
+    process's files (and so its segments' locks, which tell clients it is alive)."""
+    if _state(pid) not in ("Z", "X", ""):
+        return False
+    try:
+        return len(os.listdir(f"/proc/{pid}/task")) <= 1 and _state(pid) in ("Z", "X", "")
+    except OSError:
+        return True
 
 
 def _state(pid: int) -> str:
