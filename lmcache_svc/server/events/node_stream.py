@@ -31,6 +31,12 @@ order of stores and removals per chunk, and what is announced, are those of the 
 publisher that falls ``max_pending`` records behind makes each caller apply
 ``HELP_PER_RECORD`` of them per record it adds (``publisher.py``).
 
+Chunks a lower tier held at start-up (an SSD tier's files after a restart, a shared Redis
+other servers wrote to) are announced from the descriptions stored with their values
+(``chunks_found``): each is checked against its chunk hash as a received one is, then kept
+until its namespace is registered (``_dormant``, at most ``max_chunks`` per tier, forgotten
+when the tier drops the chunk) and announced then, parents first.
+
 The first time a topic is used after start-up its stream begins with ``AllBlocksCleared``
 (a restarted server announces that what it published before is gone); the same happens,
 followed by a full re-announcement, when the pending queue overflowed (events dropped): the
@@ -45,13 +51,19 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING
 
 from lmcache_svc.errors import InvalidArgument
-from lmcache_svc.keys import NAMESPACE_ID_BYTES, ChunkKey, Namespace, NamespaceId
+from lmcache_svc.keys import (
+    NAMESPACE_ID_BYTES,
+    ChunkKey,
+    Namespace,
+    NamespaceId,
+    chunk_hash_packed,
+)
 from lmcache_svc.server.events.format import (
     HASH_MASK,
     AllBlocksCleared,
@@ -66,7 +78,7 @@ from lmcache_svc.server.events.meta import ChunkMeta, MetaStore, describe_chunks
 from lmcache_svc.server.events.metrics import EventMetrics
 from lmcache_svc.server.events.publisher import EventLog, ZmqPublisher
 from lmcache_svc.server.events.settings import EventsSettings
-from lmcache_svc.tiers.base import Tier
+from lmcache_svc.tiers.base import ChunkDescription, Tier
 
 if TYPE_CHECKING:
     from lmcache_svc.server.events.redis_channel import RedisChannel
@@ -134,6 +146,9 @@ class NodeEvents:
         self._topics: dict[bytes, NamespaceId] = {}
         self._views: dict[str, TierView | None] = {}
         self._announced: dict[str, set[ChunkKey]] = {}
+        self._dormant: dict[str, tuple[Tier, dict[ChunkKey, ChunkMeta]]] = {}
+        """Per tier: chunks found described in it whose namespace is not published yet."""
+        self._down: set[str] = set()
         self._log: EventLog[Change] = EventLog(
             settings.buffer_steps, settings.max_pending, self._resync_locked, self._apply
         )
@@ -174,6 +189,9 @@ class NodeEvents:
                 topic, block_size, max(1, namespace.chunk_size // block_size), namespace
             )
             self._queue(topic, [AllBlocksCleared()])
+            woken = self._wake_dormant_locked(namespace.namespace_id)
+        for change in woken:
+            self._record(change)
 
     def _subscribed(self) -> None:
         """A subscriber (re)connected: every topic on which nothing is announced yet starts
@@ -199,6 +217,9 @@ class NodeEvents:
         view = self._view(tier)
         pub = self._published.get(NamespaceId(key[:NAMESPACE_ID_BYTES]))
         if view is None or pub is None:
+            if not loadable and self._dormant:
+                with self._lock:
+                    self._dormant.get(tier.name, (tier, {}))[1].pop(key, None)
             return
         if tier.shared and self._channel is not None:  # tell the other servers
             self._channel.announce(key, self._meta.get(key), loadable)
@@ -225,6 +246,74 @@ class NodeEvents:
             self._meta.put(key, checked)
         self._record((tier.name, view, pub, key, meta is not None))
         return True
+
+    # -- chunks found in a tier at start-up or by a resync --------------------------------
+
+    @property
+    def max_described(self) -> int:
+        return self.settings.max_chunks
+
+    def description(self, key: ChunkKey) -> ChunkDescription | None:
+        """The chunk's description, for a tier to store with its value."""
+        return self._meta.get(key)
+
+    def chunks_found(self, tier: Tier, found: Sequence[tuple[ChunkKey, ChunkDescription]]) -> None:
+        """``tier`` holds these chunks, described so (read from their values): each is
+        checked against its hash; those of a published namespace are announced, the others
+        kept until their namespace is registered."""
+        if self._view(tier) is None:
+            return
+        changes: list[Change] = []
+        with self._lock:
+            dormant = self._dormant.setdefault(tier.name, (tier, {}))[1]
+            for key, desc in found:
+                if not _hashes_to(key, desc):
+                    self._refuse(tier, key, "its token ids and parent do not hash to it")
+                    continue
+                dormant[key] = desc
+            if tier.name not in self._down:
+                changes = self._wake_dormant_locked(None, tier.name)
+        for change in changes:
+            self._record(change)
+
+    def _wake_dormant_locked(
+        self, namespace_id: NamespaceId | None, tier_name: str | None = None
+    ) -> list[Change]:
+        """The changes that announce the dormant chunks of published namespaces (of
+        ``namespace_id`` only, or of ``tier_name`` only, when given), parents first; each
+        description's token count is checked against the namespace's chunk size."""
+        woken: list[tuple[ChunkKey, Tier]] = []
+        for name, (tier, dormant) in self._dormant.items():
+            if name in self._down or tier_name not in (None, name):
+                continue
+            for key in [k for k in dormant if namespace_id in (None, k[:NAMESPACE_ID_BYTES])]:
+                pub = self._published.get(NamespaceId(key[:NAMESPACE_ID_BYTES]))
+                if pub is None:
+                    continue
+                desc = dormant.pop(key)
+                if len(desc.tokens) != 4 * pub.namespace.chunk_size:
+                    self._refuse(tier, key, (
+                        f"its description holds {len(desc.tokens) // 4} token ids, its "
+                        f"namespace's chunks {pub.namespace.chunk_size}"
+                    ))  # fmt: skip
+                    continue
+                self._meta.put(key, desc)
+                woken.append((key, tier))
+        depth = self._depths([k for k, _ in woken])
+        woken.sort(key=lambda item: depth[item[0]])
+        out: list[Change] = []
+        for key, tier in woken:
+            view = self._view(tier)
+            pub = self._published[NamespaceId(key[:NAMESPACE_ID_BYTES])]
+            if view is not None:
+                out.append((tier.name, view, pub, key, True))
+        return out
+
+    def _refuse(self, tier: Tier, key: ChunkKey, why: str) -> None:
+        log.warning(
+            "events: chunk %s found in tier %s not announced: %s", key.hex(), tier.name, why
+        )
+        self.metrics.unannounced.labels(reason="bad_description").inc()
 
     def _record(self, change: Change) -> None:
         """Queue a change for the publisher's thread; wake it if it waits (``idle``), help
@@ -263,6 +352,7 @@ class NodeEvents:
         held = set(keys) if keys is not None else set()
         with self._lock:
             self._log.apply_changes()
+            self._held_dormant_locked(tier, held if keys is not None else None)
             announced = self._announced.setdefault(tier.name, set())
             for key in [k for k in announced if k not in held]:
                 announced.discard(key)
@@ -275,6 +365,22 @@ class NodeEvents:
                 if pub is not None and event is not None:
                     announced.add(key)
                     self._queue(pub.topic, [event])
+
+    def _held_dormant_locked(self, tier: Tier, held: set[ChunkKey] | None) -> None:
+        """A tier marked down keeps its dormant chunks (unannounced while down); one resynced
+        keeps those it still holds, and those of published namespaces get their metadata so
+        the resync announces them."""
+        if held is None:
+            self._down.add(tier.name)
+            return
+        self._down.discard(tier.name)
+        entry = self._dormant.get(tier.name)
+        if entry is None:
+            return
+        dormant = entry[1]
+        for key in [k for k in dormant if k not in held]:
+            del dormant[key]
+        self._wake_dormant_locked(None, tier.name)  # the caller announces what is held
 
     # -- snapshots -------------------------------------------------------------------------
 
@@ -392,3 +498,12 @@ def _removed(key: ChunkKey, pub: Published, view: TierView) -> BlockRemoved:
         medium=view.medium,
         locality=view.locality,
     )
+
+
+def _hashes_to(key: ChunkKey, desc: ChunkDescription) -> bool:
+    """Whether a description is the chunk's: its parent and token ids hash to the key's
+    chunk hash (``keys.chunk_hash``), a first chunk's parent being the key's namespace."""
+    first = len(desc.parent) == NAMESPACE_ID_BYTES
+    if first and desc.parent != key[:NAMESPACE_ID_BYTES]:
+        return False
+    return chunk_hash_packed(desc.parent, desc.tokens) == key[NAMESPACE_ID_BYTES:]

@@ -1,0 +1,147 @@
+"""Chunks a server did not store since it started, announced from the descriptions stored
+with their values: an SSD tier's files after a restart (``STORAGE``/``LOCAL``), and a shared
+Redis another server wrote to before this one started (``STORAGE``/``REMOTE``)."""
+
+from __future__ import annotations
+
+import logging
+import secrets
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from lmcache_svc.cache import TieredCache
+from lmcache_svc.cache.values import TierPolicy
+from lmcache_svc.keys import chunk_hash_packed, chunk_hashes, make_chunk_key
+from lmcache_svc.metrics import Metrics
+from lmcache_svc.server.events.format import BlockStored
+from lmcache_svc.server.events.metrics import EventMetrics
+from lmcache_svc.server.events.node_stream import NodeEvents, block_hashes
+from lmcache_svc.server.events.settings import EventsSettings
+from lmcache_svc.shm.arena import Arena
+from lmcache_svc.tiers.base import ChunkDescription, Tier
+from lmcache_svc.tiers.cpu import CpuTier
+from lmcache_svc.tiers.redis import RedisTier
+from lmcache_svc.tiers.ssd import SsdTier
+from lmcache_svc_bench.redis_procs import RedisProc
+from tests.events.streams import Subscriber
+from tests.helpers import make_chunk, make_layout, make_namespace
+
+NS = make_namespace(chunk_size=16, layout=make_layout(block_size=16))
+CHUNK = NS.chunk_bytes
+THROUGH = TierPolicy(write_through=True)
+
+
+@contextmanager
+def node(
+    tmp: Path, name: str, lower: Tier, *, register: bool = True
+) -> Iterator[tuple[TieredCache, NodeEvents, Subscriber]]:
+    """A cache with events on over ``lower`` (written through), its stream subscribed
+    before the namespace is registered."""
+    settings = EventsSettings(
+        enabled=True, endpoint=f"ipc://{tmp}/{name}-pub", replay_endpoint=None, node=name
+    )
+    metrics = Metrics()
+    events = NodeEvents(settings, EventMetrics(metrics.registry))
+    arena = Arena.create(8 * CHUNK, slab_bytes=CHUNK, prefault="off")
+    cache = TieredCache(CpuTier(arena), [(lower, THROUGH)], metrics=metrics, listener=events)
+    cache.start()
+    sub = Subscriber(events.publisher.endpoint)
+    sub.drain(200)
+    if register:
+        cache.register_namespace(NS)
+    try:
+        yield cache, events, sub
+    finally:
+        sub.close()
+        cache.close()
+        events.close()
+
+
+def store_chain(cache: TieredCache, seed: int, num_chunks: int) -> tuple[list[bytes], np.ndarray]:
+    tokens = np.random.default_rng(seed).integers(0, 30_000, num_chunks * NS.chunk_size)
+    hashes = chunk_hashes(NS, tokens)
+    for i, h in enumerate(hashes):
+        part = tokens[i * NS.chunk_size : (i + 1) * NS.chunk_size].astype("<u4").tobytes()
+        cache.put(
+            NS.namespace_id, h, make_chunk(h.hex(), CHUNK),
+            token_ids=part, parent_hash=hashes[i - 1] if i else b"",
+        )  # fmt: skip
+    assert cache.flush()  # the write-through copies are stored
+    return hashes, tokens
+
+
+def storage(events: list, locality: str) -> list[BlockStored]:
+    return [
+        e for e in events
+        if isinstance(e, BlockStored) and e.medium == "STORAGE" and e.locality == locality
+    ]  # fmt: skip
+
+
+def check_chain(got: list[BlockStored], hashes: list[bytes], tokens: np.ndarray) -> None:
+    assert [e.block_hashes for e in got] == [block_hashes(h, 1) for h in hashes]
+    assert [e.token_ids for e in got] == tokens.reshape(len(hashes), -1).tolist()
+    assert got[0].parent_block_hash is None
+    assert [e.parent_block_hash for e in got[1:]] == [e.block_hashes[-1] for e in got[:-1]]
+
+
+def test_a_restarted_ssd_tier_announces_the_chunks_it_still_holds(tmp_path: Path) -> None:
+    ssd_dir = tmp_path / "ssd"
+    with node(tmp_path, "before", SsdTier(ssd_dir, 64 * (CHUNK + 4096))) as (cache, _, sub):
+        hashes, tokens = store_chain(cache, 1, 3)
+        sub.wait_for(lambda ev: len(storage(ev, "LOCAL")) == 3)
+    with node(tmp_path, "after", SsdTier(ssd_dir, 64 * (CHUNK + 4096))) as (cache, _, sub):
+        got = storage(sub.wait_for(lambda ev: len(storage(ev, "LOCAL")) == 3), "LOCAL")
+        check_chain(got, hashes, tokens)
+        for h in hashes:  # and they load from the SSD
+            assert cache.get(NS.namespace_id, h) == (make_chunk(h.hex(), CHUNK), "ssd")
+
+
+def test_a_node_that_starts_late_announces_what_another_wrote_to_redis(
+    redis_server: RedisProc, tmp_path: Path
+) -> None:
+    prefix = f"late-{secrets.token_hex(4)}:"
+
+    def tier() -> RedisTier:
+        return RedisTier(redis_server.url, 64 * CHUNK, key_prefix=prefix, timeout_s=2.0)
+
+    with node(tmp_path, "a", tier()) as (cache_a, _, _):
+        hashes, tokens = store_chain(cache_a, 2, 3)
+        with node(tmp_path, "b", tier()) as (cache_b, _, sub_b):  # after A's writes
+            got = storage(sub_b.wait_for(lambda ev: len(storage(ev, "REMOTE")) == 3), "REMOTE")
+            check_chain(got, hashes, tokens)
+            assert cache_b.get(NS.namespace_id, hashes[2]) == (
+                make_chunk(hashes[2].hex(), CHUNK),
+                "redis",
+            )
+
+
+def test_a_stored_description_of_the_wrong_token_count_is_refused_by_name(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Half a chunk's tokens, hashing truly to the key: the tier keeps the chunk, the
+    events refuse its description, naming the chunk."""
+    half = np.arange(NS.chunk_size // 2, dtype="<u4").tobytes()
+    key = make_chunk_key(NS.namespace_id, chunk_hash_packed(NS.namespace_id, half))
+    ssd = SsdTier(tmp_path / "ssd", 64 * (CHUNK + 4096))
+    ssd.describe = lambda k: ChunkDescription(NS.namespace_id, half)
+    assert ssd.put(key, make_chunk(1, CHUNK))
+    ssd.close()
+    with (
+        caplog.at_level(logging.WARNING),
+        node(tmp_path, "n", SsdTier(tmp_path / "ssd", 64 * (CHUNK + 4096)), register=False) as (
+            cache,
+            events,
+            sub,
+        ),
+    ):
+        cache.register_namespace(NS)
+        sub.drain(300)
+        assert storage(sub.events(), "LOCAL") == []
+        unannounced = events.metrics.unannounced.labels(reason="bad_description")
+        assert unannounced._value.get() == 1
+    refusals = [r.getMessage() for r in caplog.records if key.hex() in r.getMessage()]
+    assert refusals and "holds 8 token ids, its namespace's chunks 16" in refusals[0]
