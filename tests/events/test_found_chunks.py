@@ -145,3 +145,26 @@ def test_a_stored_description_of_the_wrong_token_count_is_refused_by_name(
         assert unannounced._value.get() == 1
     refusals = [r.getMessage() for r in caplog.records if key.hex() in r.getMessage()]
     assert refusals and "holds 8 token ids, its namespace's chunks 16" in refusals[0]
+
+
+def test_a_redis_resync_announces_what_another_node_wrote_unheard(
+    redis_server: RedisProc, tmp_path: Path
+) -> None:
+    """B runs without the announce channel (as if it missed A's messages); when its Redis
+    tier is resynced (its generation changed: a Redis restart), what A wrote meanwhile is
+    announced from the values."""
+    prefix = f"resync-{secrets.token_hex(4)}:"
+
+    def tier() -> RedisTier:
+        return RedisTier(redis_server.url, 64 * CHUNK, key_prefix=prefix, timeout_s=2.0)
+
+    with node(tmp_path, "b", tier()) as (cache_b, events_b, sub_b):
+        with node(tmp_path, "a", tier()) as (cache_a, _, _):
+            hashes, tokens = store_chain(cache_a, 3, 2)
+        sub_b.drain(300)
+        assert storage(sub_b.events(), "REMOTE") == []  # nothing heard
+        (redis_b,) = cache_b.tiers[1:]
+        redis_b.generation += 1  # what a Redis restart looks like to the tier
+        cache_b.lookup(NS.namespace_id, hashes)  # a call that answers starts the resync
+        got = storage(sub_b.wait_for(lambda ev: len(storage(ev, "REMOTE")) == 2), "REMOTE")
+        check_chain(got, hashes, tokens)
