@@ -119,15 +119,27 @@ def test_a_node_that_starts_late_announces_what_another_wrote_to_redis(
             )
 
 
-def test_a_stored_description_of_the_wrong_token_count_is_refused_by_name(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
+HALF = np.arange(NS.chunk_size // 2, dtype="<u4").tobytes()
+FULL = np.arange(NS.chunk_size, dtype="<u4").tobytes()
+
+
+@pytest.mark.parametrize(
+    ("tokens", "hashed", "why"),
+    [
+        (HALF, HALF, "holds 8 token ids, its namespace's chunks 16"),
+        (FULL, FULL[::-1], "its token ids and parent do not hash to it"),
+    ],
+    ids=["wrong-token-count", "not-its-tokens"],
+)
+def test_a_stored_description_that_is_not_the_chunks_is_refused_by_name(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, tokens: bytes, hashed: bytes, why: str
 ) -> None:
-    """Half a chunk's tokens, hashing truly to the key: the tier keeps the chunk, the
-    events refuse its description, naming the chunk."""
-    half = np.arange(NS.chunk_size // 2, dtype="<u4").tobytes()
-    key = make_chunk_key(NS.namespace_id, chunk_hash_packed(NS.namespace_id, half))
+    """A description of half a chunk's tokens (hashing truly to the key), or of tokens that
+    are not the chunk's: the tier keeps the chunk, the events refuse the description,
+    naming the chunk."""
+    key = make_chunk_key(NS.namespace_id, chunk_hash_packed(NS.namespace_id, hashed))
     ssd = SsdTier(tmp_path / "ssd", 64 * (CHUNK + 4096))
-    ssd.describe = lambda k: ChunkDescription(NS.namespace_id, half)
+    ssd.describe = lambda k: ChunkDescription(NS.namespace_id, tokens)
     assert ssd.put(key, make_chunk(1, CHUNK))
     ssd.close()
     with (
@@ -143,8 +155,9 @@ def test_a_stored_description_of_the_wrong_token_count_is_refused_by_name(
         assert storage(sub.events(), "LOCAL") == []
         unannounced = events.metrics.unannounced.labels(reason="bad_description")
         assert unannounced._value.get() == 1
+        assert cache.get(NS.namespace_id, key[16:]) == (make_chunk(1, CHUNK), "ssd")
     refusals = [r.getMessage() for r in caplog.records if key.hex() in r.getMessage()]
-    assert refusals and "holds 8 token ids, its namespace's chunks 16" in refusals[0]
+    assert len(refusals) == 1 and why in refusals[0]
 
 
 def test_a_redis_resync_announces_what_another_node_wrote_unheard(

@@ -263,16 +263,16 @@ class NodeEvents:
         kept until their namespace is registered."""
         if self._view(tier) is None:
             return
-        changes: list[Change] = []
+        checked: list[tuple[ChunkKey, ChunkDescription]] = []
+        for key, desc in found:  # one sha256 each, outside the lock
+            if _hashes_to(key, desc):
+                checked.append((key, desc))
+            else:
+                self._refuse(tier, key, "its token ids and parent do not hash to it")
         with self._lock:
-            dormant = self._dormant.setdefault(tier.name, (tier, {}))[1]
-            for key, desc in found:
-                if not _hashes_to(key, desc):
-                    self._refuse(tier, key, "its token ids and parent do not hash to it")
-                    continue
-                dormant[key] = desc
-            if tier.name not in self._down:
-                changes = self._wake_dormant_locked(None, tier.name)
+            self._dormant.setdefault(tier.name, (tier, {}))[1].update(checked)
+            down = tier.name in self._down
+            changes = [] if down else self._wake_dormant_locked(None, tier.name)
         for change in changes:
             self._record(change)
 
@@ -291,10 +291,10 @@ class NodeEvents:
                 if pub is None:
                     continue
                 desc = dormant.pop(key)
-                if len(desc.tokens) != 4 * pub.namespace.chunk_size:
+                if len(desc.tokens) != 4 * pub.namespace.chunk_size:  # its hash: checked when found
                     self._refuse(tier, key, (
-                        f"its description holds {len(desc.tokens) // 4} token ids, its "
-                        f"namespace's chunks {pub.namespace.chunk_size}"
+                        f"its description holds {len(desc.tokens) // 4} token ids, "
+                        f"its namespace's chunks {pub.namespace.chunk_size}"
                     ))  # fmt: skip
                     continue
                 self._meta.put(key, desc)
@@ -502,7 +502,9 @@ def _removed(key: ChunkKey, pub: Published, view: TierView) -> BlockRemoved:
 
 def _hashes_to(key: ChunkKey, desc: ChunkDescription) -> bool:
     """Whether a description is the chunk's: its parent and token ids hash to the key's
-    chunk hash (``keys.chunk_hash``), a first chunk's parent being the key's namespace."""
+    chunk hash (``keys.chunk_hash``), a first chunk's parent being the key's namespace; the
+    check ``describe_chunks`` makes of a store's or a received description, whose token
+    count is checked against the namespace's chunk size when it is woken."""
     first = len(desc.parent) == NAMESPACE_ID_BYTES
     if first and desc.parent != key[:NAMESPACE_ID_BYTES]:
         return False
