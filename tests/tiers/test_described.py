@@ -18,6 +18,7 @@ from lmcache_svc.errors import Corrupted
 from lmcache_svc.tiers.base import ChunkDescription
 from lmcache_svc.tiers.redis import HEADER as REDIS_HEADER
 from lmcache_svc.tiers.redis import RedisTier
+from lmcache_svc.tiers.redis_wire import check_value, pack_header
 from lmcache_svc.tiers.ssd import BLOCK, SsdTier
 from lmcache_svc_bench.redis_procs import RedisProc
 from tests.helpers import make_chunk, make_key
@@ -152,3 +153,17 @@ def test_a_description_too_large_for_the_ssd_block_is_not_stored(tmp_path: Path)
     assert tier.describe_many([make_key(9)]) == [None]
     assert read(tier, make_key(9)) == make_chunk(9)
     tier.close()
+
+
+def test_redis_whole_value_check_reads_both_versions() -> None:
+    """The check redis-py's fallback path (cluster redirections) makes of a whole value."""
+    key, payload = make_key(10), make_chunk(10)
+    for desc in (None, DESC):
+        out = bytearray(SIZE)
+        value = pack_header(key, payload, desc) + payload
+        assert check_value(key, value, memoryview(out)) == ("ok", "")
+        assert bytes(out) == payload
+    damaged = bytearray(pack_header(key, payload, DESC) + payload)
+    damaged[REDIS_HEADER.size] ^= 0x01  # 257 tokens: the payload would be 4 bytes short
+    status, detail = check_value(key, bytes(damaged), memoryview(bytearray(SIZE)))
+    assert (status, detail) == ("corrupt", "header says 4096 payload bytes, value holds 4092")
