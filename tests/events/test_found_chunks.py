@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import logging
 import secrets
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -32,7 +32,7 @@ from tests.helpers import make_chunk, make_layout, make_namespace
 
 NS = make_namespace(chunk_size=16, layout=make_layout(block_size=16))
 CHUNK = NS.chunk_bytes
-THROUGH = TierPolicy(write_through=True)
+THROUGH = TierPolicy(write_through=True, backoff_s=0.2, max_backoff_s=0.5)
 
 
 @contextmanager
@@ -181,3 +181,26 @@ def test_a_redis_resync_announces_what_another_node_wrote_unheard(
         cache_b.lookup(NS.namespace_id, hashes)  # a call that answers starts the resync
         got = storage(sub_b.wait_for(lambda ev: len(storage(ev, "REMOTE")) == 2), "REMOTE")
         check_chain(got, hashes, tokens)
+
+
+def test_after_a_redis_outage_the_resync_announces_what_was_written_meanwhile(
+    redis_factory: Callable[..., RedisProc], tmp_path: Path
+) -> None:
+    """B's Redis goes down (B marks it down), comes back empty on the same port, A (no
+    channel between them) writes to it; B's resync announces A's chunks from the values."""
+    proc = redis_factory()
+    prefix = f"outage-{secrets.token_hex(4)}:"
+
+    def tier() -> RedisTier:
+        return RedisTier(proc.url, 64 * CHUNK, key_prefix=prefix, timeout_s=1.0)
+
+    with node(tmp_path, "b", tier()) as (cache_b, _, sub_b):
+        proc.stop()
+        cache_b.lookup(NS.namespace_id, [b"\1" * 32])  # fails: B marks its Redis down
+        assert cache_b.metrics.breaker_trips.labels(tier="redis")._value.get() == 1
+        redis_factory(port=proc.port)
+        with node(tmp_path, "a", tier()) as (cache_a, _, _):
+            hashes, tokens = store_chain(cache_a, 4, 2)
+        got = storage(sub_b.wait_for(lambda ev: len(storage(ev, "REMOTE")) == 2), "REMOTE")
+        check_chain(got, hashes, tokens)
+        assert cache_b.metrics.resyncs.labels(tier="redis")._value.get() >= 1
