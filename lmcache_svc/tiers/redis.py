@@ -429,7 +429,7 @@ class RedisTier(Tier):
 
     def _num_tokens(self, key: ChunkKey, head: bytes) -> int:
         """Tokens of the description a value's first bytes announce (0: none, or a damaged
-        header, logged: a read of the value deletes it)."""
+        header, which a read of the value deletes; a count over ``MAX_TOKENS`` is logged)."""
         if len(head) < HEAD_PROBE or head[4] != DESCRIBED_VERSION:
             return 0
         magic, _, _, _, _, _, stored_key = HEADER.unpack_from(head)

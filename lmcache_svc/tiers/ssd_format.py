@@ -85,6 +85,6 @@ def parse_header(raw: bytes, key: ChunkKey, file_size: int) -> tuple[int, int]:
 def parse_description(raw: bytes, key: ChunkKey) -> ChunkDescription | None:
     """The description in a header block (``raw``, the block's first bytes, already checked
     by ``parse_header``): None for version 1; ``ValueError`` saying what is wrong."""
-    if raw[8:10] != DESCRIBED_VERSION.to_bytes(2, "little"):
+    if HEADER.unpack_from(raw)[1] != DESCRIBED_VERSION:
         return None
     return unpack_description(memoryview(raw)[HEADER.size :], key, MAX_TOKENS)
