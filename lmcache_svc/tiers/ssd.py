@@ -2,7 +2,8 @@
 
 Layout: ``<path>/chunks/<first 2 hex>/<96-hex ChunkKey>.kv``; writes in flight live in
 ``<path>/tmp/<random>.tmp`` (leftovers are removed at start-up). The file format (a 4096-byte
-header block, then the payload) is in ``ssd_format.py``.
+header block, then the payload; with KV events on the block also holds the chunk's token ids
+and parent, ``describe``/``describe_many``) is in ``ssd_format.py``.
 
 Durability (``fsync``): every write goes to a tmp file that is renamed into place.
 ``"never"`` (default) fsyncs nothing: a crash can lose recent chunks, but torn bytes are never

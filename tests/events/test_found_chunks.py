@@ -28,7 +28,7 @@ from lmcache_svc.tiers.redis import RedisTier
 from lmcache_svc.tiers.ssd import SsdTier
 from lmcache_svc_bench.redis_procs import RedisProc
 from tests.events.streams import Subscriber
-from tests.helpers import make_chunk, make_layout, make_namespace
+from tests.helpers import make_chunk, make_layout, make_namespace, wait_until
 
 NS = make_namespace(chunk_size=16, layout=make_layout(block_size=16))
 CHUNK = NS.chunk_bytes
@@ -37,10 +37,11 @@ THROUGH = TierPolicy(write_through=True, backoff_s=0.2, max_backoff_s=0.5)
 
 @contextmanager
 def node(
-    tmp: Path, name: str, lower: Tier, *, register: bool = True
+    tmp: Path, name: str, lower: Tier, *, register: bool = True, start: bool = True
 ) -> Iterator[tuple[TieredCache, NodeEvents, Subscriber]]:
     """A cache with events on over ``lower`` (written through), its stream subscribed
-    before the namespace is registered."""
+    before the namespace is registered; ``start=False``: no maintenance thread (a tier
+    marked down is probed only when a call finds it skipped)."""
     settings = EventsSettings(
         enabled=True, endpoint=f"ipc://{tmp}/{name}-pub", replay_endpoint=None, node=name
     )
@@ -48,7 +49,8 @@ def node(
     events = NodeEvents(settings, EventMetrics(metrics.registry))
     arena = Arena.create(8 * CHUNK, slab_bytes=CHUNK, prefault="off")
     cache = TieredCache(CpuTier(arena), [(lower, THROUGH)], metrics=metrics, listener=events)
-    cache.start()
+    if start:
+        cache.start()
     sub = Subscriber(events.publisher.endpoint)
     sub.drain(200)
     if register:
@@ -187,20 +189,28 @@ def test_after_a_redis_outage_the_resync_announces_what_was_written_meanwhile(
     redis_factory: Callable[..., RedisProc], tmp_path: Path
 ) -> None:
     """B's Redis goes down (B marks it down), comes back empty on the same port, A (no
-    channel between them) writes to it; B's resync announces A's chunks from the values."""
+    channel between them) writes to it; B's resync announces A's chunks from the values.
+    B has no maintenance thread, so its Redis is probed (and resynced) only after A's
+    writes, when B's lookups find it skipped."""
     proc = redis_factory()
     prefix = f"outage-{secrets.token_hex(4)}:"
 
     def tier() -> RedisTier:
         return RedisTier(proc.url, 64 * CHUNK, key_prefix=prefix, timeout_s=1.0)
 
-    with node(tmp_path, "b", tier()) as (cache_b, _, sub_b):
+    with node(tmp_path, "b", tier(), start=False) as (cache_b, _, sub_b):
         proc.stop()
         cache_b.lookup(NS.namespace_id, [b"\1" * 32])  # fails: B marks its Redis down
         assert cache_b.metrics.breaker_trips.labels(tier="redis")._value.get() == 1
         redis_factory(port=proc.port)
         with node(tmp_path, "a", tier()) as (cache_a, _, _):
             hashes, tokens = store_chain(cache_a, 4, 2)
-        got = storage(sub_b.wait_for(lambda ev: len(storage(ev, "REMOTE")) == 2), "REMOTE")
-        check_chain(got, hashes, tokens)
+
+        def announced() -> bool:
+            cache_b.lookup(NS.namespace_id, hashes)  # once the backoff is over: the probe
+            sub_b.drain()
+            return len(storage(sub_b.events(), "REMOTE")) == 2
+
+        wait_until(announced, 30, "B announced A's chunks after its Redis came back")
+        check_chain(storage(sub_b.events(), "REMOTE"), hashes, tokens)
         assert cache_b.metrics.resyncs.labels(tier="redis")._value.get() >= 1
