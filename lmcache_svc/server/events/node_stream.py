@@ -32,10 +32,10 @@ publisher that falls ``max_pending`` records behind makes each caller apply
 ``HELP_PER_RECORD`` of them per record it adds (``publisher.py``).
 
 Chunks a lower tier held at start-up (an SSD tier's files after a restart, a shared Redis
-other servers wrote to) are announced from the descriptions stored with their values
-(``chunks_found``): each is checked against its chunk hash as a received one is, then kept
-until its namespace is registered (``_dormant``, at most ``max_chunks`` per tier, forgotten
-when the tier drops the chunk) and announced then, parents first.
+other servers wrote to) or a resync found are announced from the descriptions stored with
+their values (``chunks_found``): each is checked against its chunk hash as a received one
+is, waits in ``found.FoundChunks`` until its namespace is registered (and its tier is up),
+and is announced then, parents first.
 
 The first time a topic is used after start-up its stream begins with ``AllBlocksCleared``
 (a restarted server announces that what it published before is gone); the same happens,
@@ -57,13 +57,7 @@ from functools import partial
 from typing import TYPE_CHECKING
 
 from lmcache_svc.errors import InvalidArgument
-from lmcache_svc.keys import (
-    NAMESPACE_ID_BYTES,
-    ChunkKey,
-    Namespace,
-    NamespaceId,
-    chunk_hash_packed,
-)
+from lmcache_svc.keys import NAMESPACE_ID_BYTES, ChunkKey, Namespace, NamespaceId
 from lmcache_svc.server.events.format import (
     HASH_MASK,
     AllBlocksCleared,
@@ -74,6 +68,7 @@ from lmcache_svc.server.events.format import (
     StoredWire,
     token_ids_raw,
 )
+from lmcache_svc.server.events.found import FoundChunks, hashes_to
 from lmcache_svc.server.events.meta import ChunkMeta, MetaStore, describe_chunks, parent_key
 from lmcache_svc.server.events.metrics import EventMetrics
 from lmcache_svc.server.events.publisher import EventLog, ZmqPublisher
@@ -146,9 +141,7 @@ class NodeEvents:
         self._topics: dict[bytes, NamespaceId] = {}
         self._views: dict[str, TierView | None] = {}
         self._announced: dict[str, set[ChunkKey]] = {}
-        self._dormant: dict[str, tuple[Tier, dict[ChunkKey, ChunkMeta]]] = {}
-        """Per tier: chunks found described in it whose namespace is not published yet."""
-        self._down: set[str] = set()
+        self._found = FoundChunks()
         self._log: EventLog[Change] = EventLog(
             settings.buffer_steps, settings.max_pending, self._resync_locked, self._apply
         )
@@ -189,7 +182,7 @@ class NodeEvents:
                 topic, block_size, max(1, namespace.chunk_size // block_size), namespace
             )
             self._queue(topic, [AllBlocksCleared()])
-            woken = self._wake_dormant_locked(namespace.namespace_id)
+            woken = self._wake_found_locked(namespace.namespace_id)
         for change in woken:
             self._record(change)
 
@@ -217,9 +210,9 @@ class NodeEvents:
         view = self._view(tier)
         pub = self._published.get(NamespaceId(key[:NAMESPACE_ID_BYTES]))
         if view is None or pub is None:
-            if not loadable and self._dormant:
+            if not loadable and self._found:
                 with self._lock:
-                    self._dormant.get(tier.name, (tier, {}))[1].pop(key, None)
+                    self._found.forget(tier, key)
             return
         if tier.shared and self._channel is not None:  # tell the other servers
             self._channel.announce(key, self._meta.get(key), loadable)
@@ -265,48 +258,45 @@ class NodeEvents:
             return
         checked: list[tuple[ChunkKey, ChunkDescription]] = []
         for key, desc in found:  # one sha256 each, outside the lock
-            if _hashes_to(key, desc):
+            if hashes_to(key, desc):
                 checked.append((key, desc))
             else:
                 self._refuse(tier, key, "its token ids and parent do not hash to it")
         with self._lock:
-            self._dormant.setdefault(tier.name, (tier, {}))[1].update(checked)
-            down = tier.name in self._down
-            changes = [] if down else self._wake_dormant_locked(None, tier.name)
+            self._found.add(tier, checked)
+            changes = [] if self._found.is_down(tier) else self._wake_found_locked(None, tier)
         for change in changes:
             self._record(change)
 
-    def _wake_dormant_locked(
-        self, namespace_id: NamespaceId | None, tier_name: str | None = None
+    def _wake_found_locked(
+        self, namespace_id: NamespaceId | None, tier: Tier | None = None
     ) -> list[Change]:
-        """The changes that announce the dormant chunks of published namespaces (of
-        ``namespace_id`` only, or of ``tier_name`` only, when given), parents first; each
-        description's token count is checked against the namespace's chunk size."""
+        """The changes that announce the found chunks of published namespaces (of
+        ``namespace_id`` only, or of ``tier`` only, when given), parents first; each
+        description's token count is checked against the namespace's chunk size (its hash
+        was checked when it was found)."""
+
+        def wanted(key: ChunkKey) -> bool:
+            ns_id = key[:NAMESPACE_ID_BYTES]
+            return namespace_id in (None, ns_id) and ns_id in self._published
+
         woken: list[tuple[ChunkKey, Tier]] = []
-        for name, (tier, dormant) in self._dormant.items():
-            if name in self._down or tier_name not in (None, name):
+        for key, held_by, desc in self._found.take(wanted, tier):
+            chunk_size = self._published[NamespaceId(key[:NAMESPACE_ID_BYTES])].namespace.chunk_size
+            if len(desc.tokens) != 4 * chunk_size:
+                why = f"its description holds {len(desc.tokens) // 4} token ids, its "
+                self._refuse(held_by, key, why + f"namespace's chunks {chunk_size}")
                 continue
-            for key in [k for k in dormant if namespace_id in (None, k[:NAMESPACE_ID_BYTES])]:
-                pub = self._published.get(NamespaceId(key[:NAMESPACE_ID_BYTES]))
-                if pub is None:
-                    continue
-                desc = dormant.pop(key)
-                if len(desc.tokens) != 4 * pub.namespace.chunk_size:  # its hash: checked when found
-                    self._refuse(tier, key, (
-                        f"its description holds {len(desc.tokens) // 4} token ids, "
-                        f"its namespace's chunks {pub.namespace.chunk_size}"
-                    ))  # fmt: skip
-                    continue
-                self._meta.put(key, desc)
-                woken.append((key, tier))
+            self._meta.put(key, desc)
+            woken.append((key, held_by))
         depth = self._depths([k for k, _ in woken])
         woken.sort(key=lambda item: depth[item[0]])
         out: list[Change] = []
-        for key, tier in woken:
-            view = self._view(tier)
+        for key, held_by in woken:
+            view = self._view(held_by)
             pub = self._published[NamespaceId(key[:NAMESPACE_ID_BYTES])]
             if view is not None:
-                out.append((tier.name, view, pub, key, True))
+                out.append((held_by.name, view, pub, key, True))
         return out
 
     def _refuse(self, tier: Tier, key: ChunkKey, why: str) -> None:
@@ -352,7 +342,11 @@ class NodeEvents:
         held = set(keys) if keys is not None else set()
         with self._lock:
             self._log.apply_changes()
-            self._held_dormant_locked(tier, held if keys is not None else None)
+            if keys is None:
+                self._found.tier_down(tier)
+            else:  # found chunks of published namespaces get their metadata: announced below
+                self._found.tier_holds(tier, held)
+                self._wake_found_locked(None, tier)
             announced = self._announced.setdefault(tier.name, set())
             for key in [k for k in announced if k not in held]:
                 announced.discard(key)
@@ -365,22 +359,6 @@ class NodeEvents:
                 if pub is not None and event is not None:
                     announced.add(key)
                     self._queue(pub.topic, [event])
-
-    def _held_dormant_locked(self, tier: Tier, held: set[ChunkKey] | None) -> None:
-        """A tier marked down keeps its dormant chunks (unannounced while down); one resynced
-        keeps those it still holds, and those of published namespaces get their metadata so
-        the resync announces them."""
-        if held is None:
-            self._down.add(tier.name)
-            return
-        self._down.discard(tier.name)
-        entry = self._dormant.get(tier.name)
-        if entry is None:
-            return
-        dormant = entry[1]
-        for key in [k for k in dormant if k not in held]:
-            del dormant[key]
-        self._wake_dormant_locked(None, tier.name)  # the caller announces what is held
 
     # -- snapshots -------------------------------------------------------------------------
 
@@ -498,14 +476,3 @@ def _removed(key: ChunkKey, pub: Published, view: TierView) -> BlockRemoved:
         medium=view.medium,
         locality=view.locality,
     )
-
-
-def _hashes_to(key: ChunkKey, desc: ChunkDescription) -> bool:
-    """Whether a description is the chunk's: its parent and token ids hash to the key's
-    chunk hash (``keys.chunk_hash``), a first chunk's parent being the key's namespace; the
-    check ``describe_chunks`` makes of a store's or a received description, whose token
-    count is checked against the namespace's chunk size when it is woken."""
-    first = len(desc.parent) == NAMESPACE_ID_BYTES
-    if first and desc.parent != key[:NAMESPACE_ID_BYTES]:
-        return False
-    return chunk_hash_packed(desc.parent, desc.tokens) == key[NAMESPACE_ID_BYTES:]
