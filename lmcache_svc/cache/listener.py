@@ -13,6 +13,12 @@ The cache calls a listener (``TieredCache(..., listener=...)``; the KV event str
 - ``chunk_described(key, meta)`` with a chunk's token ids and parent, before the commit
   that makes it loadable (``meta`` is ``events.meta.ChunkMeta``).
 - ``namespace_registered(namespace)``.
+- ``description(key)``: the chunk's description, if known, for a lower tier that stores it
+  with the value (set as each such tier's ``Tier.describe``).
+- ``chunks_found(tier, found)`` with the descriptions a lower tier holds for chunks it
+  already held at start-up (``Tier.scan``) or that a resync found, read from the values'
+  headers (``Tier.describe_many``) for at most ``max_described`` chunks, the most recently
+  used first; called before the resync's ``tier_contents``, never under the cache's locks.
 
 Calls come from the cache's threads, some under the cache's or the lower tiers' lock: a
 listener must be quick, never block and never call back into the cache.
@@ -20,11 +26,11 @@ listener must be quick, never block and never call back into the cache.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Protocol
 
 from lmcache_svc.keys import ChunkKey, Namespace
-from lmcache_svc.tiers.base import Tier
+from lmcache_svc.tiers.base import ChunkDescription, Tier
 
 if TYPE_CHECKING:
     from lmcache_svc.server.events.meta import ChunkMeta
@@ -38,3 +44,12 @@ class ChunkListener(Protocol):
     def chunk_changed(self, tier: Tier, key: ChunkKey, loadable: bool) -> None: ...
 
     def tier_contents(self, tier: Tier, keys: Iterable[ChunkKey] | None) -> None: ...
+
+    @property
+    def max_described(self) -> int: ...
+
+    def description(self, key: ChunkKey) -> ChunkDescription | None: ...
+
+    def chunks_found(
+        self, tier: Tier, found: Sequence[tuple[ChunkKey, ChunkDescription]]
+    ) -> None: ...

@@ -27,6 +27,13 @@ an outage, or when its ``generation`` changed (a Redis restarted between two cal
 index and accounting are rebuilt in the background from what the tier holds
 (``Tier.rescan``), so a Redis that restarted empty (or with an older snapshot) is not
 believed to hold what it lost.
+
+Descriptions (KV events on, ``listener.py``): each lower tier is given the listener's
+``description`` to store with the values it writes, and the descriptions of chunks a tier
+held at start-up (a restarted SSD tier, a Redis other servers wrote to) or that a resync
+found new are read back from the values' headers (``Tier.describe_many``), at most the
+listener's ``max_described`` per tier, most recently used first, and handed to the
+listener, so those chunks are announced.
 """
 
 from __future__ import annotations
@@ -114,6 +121,8 @@ class LowerTierManager:
         self._resyncing: set[str] = set()
         self._probing: set[str] = set()
         self._deletes = _DeleteLog()
+        for lt in self._tiers:
+            self._describe_found(lt, list(lt.contents))
 
     def _make(self, tier: Tier, policy: TierPolicy) -> LowerTierState:
         trips = self._metrics.breaker_trips.labels(tier=tier.name)
@@ -135,6 +144,8 @@ class LowerTierManager:
         )
         refused = self._metrics.tier_errors.labels(tier=tier.name, kind="refused")
         tier.on_refused = refused.inc  # writes the backend refused for memory (Redis -OOM)
+        if listener is not None:
+            tier.describe = listener.description
         return LowerTierState(tier, policy, OrderedDict(tier.scan()), breaker, tier.generation)
 
     @property
@@ -423,6 +434,9 @@ class LowerTierManager:
             lt.generation = lt.tier.generation  # a later change resyncs again
             found = dict(lt.tier.rescan())
             with self._lock:
+                new = [k for k in found if k not in lt.contents]
+            self._describe_found(lt, new)
+            with self._lock:
                 gone = sum(1 for k in lt.contents if k not in found)
                 index = OrderedDict((k, found[k]) for k in lt.contents if k in found)
                 for key, size in found.items():
@@ -441,6 +455,23 @@ class LowerTierManager:
         finally:
             with self._lock:
                 self._resyncing.discard(lt.tier.name)
+
+    def _describe_found(self, lt: LowerTierState, keys: list[ChunkKey]) -> None:
+        """Read the descriptions of ``keys`` (the last ``max_described``: the most recently
+        used) from the tier's values and hand them to the listener; a tier that fails is
+        left alone (its chunks are loadable, just not announced)."""
+        listener = self._listener
+        if listener is None or not keys:
+            return
+        keys = keys[-listener.max_described :]
+        try:
+            descriptions = lt.tier.describe_many(keys)
+        except TierError as e:
+            log.warning("tier %s: its chunks' descriptions could not be read: %s", lt.tier.name, e)
+            return
+        found = [(k, d) for k, d in zip(keys, descriptions) if d is not None]
+        if found:
+            listener.chunks_found(lt.tier, found)
 
     def _changed(self, lt: LowerTierState, key: ChunkKey, loadable: bool) -> None:
         if self._listener is not None:

@@ -55,6 +55,18 @@ ItemResult = bool | Failed
 
 
 @dataclass(frozen=True, slots=True)
+class ChunkDescription:
+    """What a chunk holds, beyond its bytes: its token ids and its parent. Kept by the KV
+    events (``server/events/meta.py``) and stored with the value by tiers that persist
+    (``tiers/described.py``)."""
+
+    parent: bytes
+    """The previous chunk's hash, or the namespace id for a sequence's first chunk."""
+    tokens: bytes
+    """The chunk's token ids, little-endian uint32."""
+
+
+@dataclass(frozen=True, slots=True)
 class Slot:
     """A byte range of a ``SlotTier``'s segment holding (or reserved for) one chunk."""
 
@@ -110,6 +122,10 @@ class Tier(ABC):
     """Told how many writes the backend itself refused for lack of memory (Redis ``-OOM``
     under ``maxmemory``): such a put answers "no room" (``False``), which is not a failure,
     so the cache (which sets this) counts them here, in ``tier_errors{kind="refused"}``."""
+    describe: Callable[[ChunkKey], ChunkDescription | None] | None = None
+    """Set by the cache when KV events are on: asked, for each chunk a tier that persists
+    (SSD, Redis) writes, for the description to store with the value (``None``: the value
+    is written as before, without one). Unset, nothing is asked."""
 
     @property
     @abstractmethod
@@ -147,6 +163,12 @@ class Tier(ABC):
         """``scan`` after the medium may have changed behind the tier's back (an outage, a
         restart): a tier with its own accounting rebuilds it from what it finds."""
         return self.scan()
+
+    def describe_many(self, keys: Sequence[ChunkKey]) -> list[ChunkDescription | None]:
+        """The description stored with each chunk's value (``None``: absent, stored without
+        one, or damaged: logged), reading the values' headers only. Tiers that store none
+        answer ``None`` for every key."""
+        return [None] * len(keys)
 
     def get(self, key: ChunkKey) -> bytes | None:
         size = self.size_of(key)

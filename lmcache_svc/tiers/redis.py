@@ -5,7 +5,12 @@ fixed 72-byte header followed by the payload, so metadata and bytes are written,
 evicted together and can never disagree. The header (little-endian, ``HEADER``) holds the
 magic ``b"LMCR"``, format version (u8), flags (u8), reserved (u16), payload length (u64),
 ``xxh3_64`` of the payload (u64) and the 48-byte ``ChunkKey``. A read checks all of them; any
-mismatch deletes the key and raises ``Corrupted``.
+mismatch deletes the key and raises ``Corrupted``. Version 2 (written when the store carried
+the chunk's description, ``Tier.describe``: KV events on) puts the description between the
+header and the payload (``described.py``: 37 + 4 * tokens bytes), so another server, or this
+one after a restart, can announce the chunk (``describe_many`` reads only the header and the
+description, with two pipelined GETRANGEs); version 1 values (events off, or written before)
+are read as before.
 
 Capacity: ``capacity_bytes`` bounds this server's own accounting, the payload bytes of the
 chunks it wrote plus those ``scan()`` found at start-up (the 72-byte headers and Redis's own
@@ -34,6 +39,7 @@ stay counted and known to the caller while the refused ones are neither.
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
@@ -49,11 +55,16 @@ from redis.retry import Retry
 
 from lmcache_svc.errors import Corrupted, InvalidArgument, TierError
 from lmcache_svc.keys import CHUNK_KEY_BYTES, ChunkKey
-from lmcache_svc.tiers.base import Buffer, Failed, ItemResult, Tier
+from lmcache_svc.tiers.base import Buffer, ChunkDescription, Failed, ItemResult, Tier
+from lmcache_svc.tiers.described import TOKEN_BYTES, description_tokens, unpack_description
 from lmcache_svc.tiers.ledger import SizeLedger
 from lmcache_svc.tiers.redis_wire import (
     BACKEND_ERRORS,
+    DESCRIBED_VERSION,
+    HEAD_PROBE,
     HEADER,
+    MAGIC,
+    MAX_TOKENS,
     MIN_SHARD_BYTES,
     OK,
     Job,
@@ -73,6 +84,8 @@ from lmcache_svc.tiers.redis_wire import (
 )
 
 __all__ = ["HEADER", "RedisTier"]
+
+log = logging.getLogger(__name__)
 
 _SCAN_COUNT = 1000
 
@@ -141,6 +154,9 @@ class RedisTier(Tier):
         some of them: its ``maxmemory`` and TTL, and the next start-up scan, account for
         those."""
         jobs = [self._job(key, byte_view(data, "data")) for key, data in items]
+        if self.describe is not None:
+            for job in jobs:
+                job.desc = self.describe(job.key)
         results: list[ItemResult] = [False] * len(jobs)
         reserved: dict[int, int | None] = {}
         for i, job in enumerate(jobs):
@@ -211,7 +227,7 @@ class RedisTier(Tier):
         rkey = self._rkey(key)
         with self._errors("size_of"):
             pipe = self._client.pipeline(transaction=False)
-            pipe.getrange(rkey, 0, HEADER.size - 1)
+            pipe.getrange(rkey, 0, HEAD_PROBE - 1)
             pipe.strlen(rkey)
             header, value_size = pipe.execute()
         if not value_size:
@@ -267,6 +283,15 @@ class RedisTier(Tier):
                 keys = client.scan_iter(match=pattern, count=_SCAN_COUNT)
                 while batch := list(islice(keys, _SCAN_COUNT)):
                     yield from self._scan_sizes(client, batch, ledger)
+
+    def describe_many(self, keys: Sequence[ChunkKey]) -> list[ChunkDescription | None]:
+        """Each chunk's stored description: a pipelined GETRANGE of its value's header and
+        the description's fixed part, then one of the token ids for the version 2 values (the
+        payloads are not read); a damaged one is logged and answers ``None``."""
+        out: list[ChunkDescription | None] = []
+        for start in range(0, len(keys), _SCAN_COUNT):
+            out += self._describe_batch(keys[start : start + _SCAN_COUNT])
+        return out
 
     def close(self) -> None:
         if self._closed:
@@ -364,14 +389,57 @@ class RedisTier(Tier):
     def _scan_sizes(
         self, client: Any, rkeys: list[bytes], ledger: SizeLedger
     ) -> Iterator[tuple[ChunkKey, int]]:
+        """Each value's payload size, from its size and its first ``HEAD_PROBE`` bytes (a
+        version 2 value's payload starts after its description)."""
         pipe = client.pipeline(transaction=False)
         for rkey in rkeys:
             pipe.strlen(rkey)
-        for rkey, value_size in zip(rkeys, pipe.execute()):
+            pipe.getrange(rkey, 0, HEAD_PROBE - 1)
+        replies = pipe.execute()
+        for rkey, value_size, head in zip(rkeys, replies[::2], replies[1::2]):
             key = self._key_of(rkey)
-            if key is not None and value_size >= HEADER.size:
-                ledger.record(key, value_size - HEADER.size)
-                yield key, value_size - HEADER.size
+            if key is None or value_size < HEADER.size:
+                continue
+            size = payload_size(key, head, value_size)
+            if isinstance(size, str):  # a damaged value: counted whole, a read deletes it
+                size = value_size - HEADER.size
+            ledger.record(key, size)
+            yield key, size
+
+    def _describe_batch(self, keys: Sequence[ChunkKey]) -> list[ChunkDescription | None]:
+        rkeys = [self._rkey(key) for key in keys]
+        with self._errors("describe"):
+            pipe = self._client.pipeline(transaction=False)
+            for rkey in rkeys:
+                pipe.getrange(rkey, 0, HEAD_PROBE - 1)
+            heads: list[bytes] = pipe.execute()
+            counts = [self._num_tokens(key, head) for key, head in zip(keys, heads)]
+            todo = [i for i, n in enumerate(counts) if n]
+            pipe = self._client.pipeline(transaction=False)
+            for i in todo:
+                pipe.getrange(rkeys[i], HEAD_PROBE, HEAD_PROBE + TOKEN_BYTES * counts[i] - 1)
+            tokens = dict(zip(todo, pipe.execute()))
+        out: list[ChunkDescription | None] = [None] * len(keys)
+        for i, raw in tokens.items():
+            try:
+                out[i] = unpack_description(heads[i][HEADER.size :] + raw, keys[i], MAX_TOKENS)
+            except ValueError as e:
+                log.warning("Redis chunk %s: description refused: %s", keys[i].hex(), e)
+        return out
+
+    def _num_tokens(self, key: ChunkKey, head: bytes) -> int:
+        """Tokens of the description a value's first bytes announce (0: none, or a damaged
+        header, which a read of the value deletes; a count over ``MAX_TOKENS`` is logged)."""
+        if len(head) < HEAD_PROBE or head[4] != DESCRIBED_VERSION:
+            return 0
+        magic, _, _, _, _, _, stored_key = HEADER.unpack_from(head)
+        if magic != MAGIC or stored_key != key:
+            return 0
+        try:
+            return description_tokens(head[HEADER.size :], MAX_TOKENS)
+        except ValueError as e:
+            log.warning("Redis chunk %s: description refused: %s", key.hex(), e)
+            return 0
 
     def _discard(self, key: ChunkKey) -> None:
         """Delete a chunk that failed its checks (best effort: the read reports it anyway)."""
@@ -453,7 +521,7 @@ class RedisTier(Tier):
         return send_sets(jobs, conn, self._ttl_ms)
 
     def _put_slow(self, job: Job) -> Outcome:
-        value = bytearray(pack_header(job.key, job.data))
+        value = bytearray(pack_header(job.key, job.data, job.desc))
         value += job.data
         try:  # a memoryview: redis-py takes a bytearray only from 8.0 on
             self._client.set(job.rkey, memoryview(value), px=self._ttl_ms)

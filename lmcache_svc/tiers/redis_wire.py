@@ -1,7 +1,9 @@
 """The Redis tier's value format, its bulk RESP path and its argument checks
 (see ``tiers/redis.py``).
 
-A stored value is ``HEADER`` followed by the payload. ``Replies`` reads RESP2 replies from a
+A stored value is ``HEADER`` followed by the payload (format version 1), or ``HEADER``, the
+chunk's description (``described.py``: 37 + 4 * tokens bytes) and the payload (version 2,
+written only when the store carried the description). ``Replies`` reads RESP2 replies from a
 connected socket and receives a GET's payload straight into the caller's buffer, checking the
 header on the way; ``set_parts`` frames a SET so that header and payload go out as separate
 buffers. Outcomes are ``(status, detail)`` pairs; the tier turns them into results or errors.
@@ -24,12 +26,21 @@ from redis.exceptions import RedisClusterException
 
 from lmcache_svc.errors import ConfigError, InvalidArgument
 from lmcache_svc.keys import ChunkKey
-from lmcache_svc.tiers.base import Buffer
+from lmcache_svc.tiers.base import Buffer, ChunkDescription
+from lmcache_svc.tiers.described import DESCRIPTION, TOKEN_BYTES, description_tokens
+from lmcache_svc.tiers.described import pack_description as _pack_description
 
 HEADER = struct.Struct("<4sBBHQQ48s")
 """magic, format version, flags, reserved, payload length, xxh3_64(payload), chunk key."""
 MAGIC = b"LMCR"
-FORMAT_VERSION = 1
+PLAIN_VERSION = 1
+"""``HEADER``, then the payload."""
+DESCRIBED_VERSION = 2
+"""``HEADER``, the chunk's description, then the payload."""
+MAX_TOKENS = 1 << 16
+"""Tokens of the largest description a value may carry (a bound on damaged headers)."""
+HEAD_PROBE = HEADER.size + DESCRIPTION.size
+"""Leading bytes of a value that say where its payload starts (``payload_offset``)."""
 
 MIN_SHARD_BYTES = 1 << 20
 """A batch is split over worker connections only in shares of at least this many bytes."""
@@ -57,6 +68,8 @@ class Job:
     key: ChunkKey
     rkey: bytes
     data: memoryview
+    desc: ChunkDescription | None = None
+    """For a write: the description to store with the value."""
 
 
 def byte_view(data: Buffer, what: str, *, writable: bool = False) -> memoryview:
@@ -72,22 +85,42 @@ def byte_view(data: Buffer, what: str, *, writable: bool = False) -> memoryview:
     return view
 
 
-def pack_header(key: bytes, payload: Buffer) -> bytes:
+def pack_header(key: bytes, payload: Buffer, desc: ChunkDescription | None = None) -> bytes:
+    """Everything a value holds before its payload: ``HEADER``, and the description if any."""
     checksum = xxhash.xxh3_64_intdigest(payload)
-    return HEADER.pack(MAGIC, FORMAT_VERSION, 0, 0, len(payload), checksum, key)
+    if desc is None:
+        return HEADER.pack(MAGIC, PLAIN_VERSION, 0, 0, len(payload), checksum, key)
+    header = HEADER.pack(MAGIC, DESCRIBED_VERSION, 0, 0, len(payload), checksum, key)
+    return header + _pack_description(desc)
+
+
+def payload_offset(head: bytes | memoryview, value_size: int) -> int:
+    """Where the payload starts in a value whose first bytes are ``head`` (at least
+    ``HEADER.size``, and ``HEAD_PROBE`` for version 2); ``ValueError`` saying what is wrong
+    with a damaged description (its token count over ``MAX_TOKENS`` or past the value)."""
+    if len(head) < HEADER.size or head[4] != DESCRIBED_VERSION:
+        return HEADER.size
+    offset = HEADER.size + DESCRIPTION.size
+    if value_size < offset or len(head) < offset:
+        raise ValueError(f"value of {value_size} bytes is shorter than its description")
+    offset += TOKEN_BYTES * description_tokens(head[HEADER.size : offset], MAX_TOKENS)
+    if offset > value_size:
+        raise ValueError(f"description runs past the value's {value_size} bytes")
+    return offset
 
 
 def check_header(
-    key: bytes, header: bytes, value_size: int, out_size: int | None
+    key: bytes, header: bytes, value_size: int, out_size: int | None, offset: int = HEADER.size
 ) -> tuple[Outcome, int]:
-    """Check a value's header against its key and size; returns (outcome, payload checksum)."""
+    """Check a value's header against its key and size (the payload starting at
+    ``offset``); returns (outcome, payload checksum)."""
     magic, version, _flags, _reserved, length, checksum, stored_key = HEADER.unpack(header)
     if magic != MAGIC:
         return ("corrupt", f"bad magic {magic!r}"), 0
-    if version != FORMAT_VERSION:
+    if version not in (PLAIN_VERSION, DESCRIBED_VERSION):
         return ("corrupt", f"unknown format version {version}"), 0
-    if length != value_size - HEADER.size:
-        stored = value_size - HEADER.size
+    if length != value_size - offset:
+        stored = value_size - offset
         return ("corrupt", f"header says {length} payload bytes, value holds {stored}"), 0
     if stored_key != key:
         return ("corrupt", f"header names another chunk key {stored_key.hex()}"), 0
@@ -108,22 +141,31 @@ def check_value(key: bytes, value: bytes | None, out: memoryview) -> Outcome:
         return MISS
     if len(value) < HEADER.size:
         return ("corrupt", f"value of {len(value)} bytes is shorter than its header")
-    outcome, checksum = check_header(key, value[: HEADER.size], len(value), len(out))
+    try:
+        offset = payload_offset(memoryview(value)[:HEAD_PROBE], len(value))
+    except ValueError as e:
+        return ("corrupt", str(e))
+    outcome, checksum = check_header(key, value[: HEADER.size], len(value), len(out), offset)
     if outcome != OK:
         return outcome
-    payload = memoryview(value)[HEADER.size :]
+    payload = memoryview(value)[offset:]
     outcome = check_payload(payload, checksum)
     if outcome == OK:
         out[:] = payload
     return outcome
 
 
-def payload_size(key: bytes, header: bytes, value_size: int) -> int | str:
-    """Payload length from a value's header, or the reason the header is bad."""
-    if value_size < HEADER.size or len(header) < HEADER.size:
+def payload_size(key: bytes, head: bytes, value_size: int) -> int | str:
+    """Payload length from a value's first ``HEAD_PROBE`` bytes (fewer when the value is
+    shorter), or the reason the header is bad."""
+    if value_size < HEADER.size or len(head) < HEADER.size:
         return f"value of {value_size} bytes is shorter than its header"
-    outcome, _ = check_header(key, header, value_size, None)
-    return outcome[1] if outcome != OK else value_size - HEADER.size
+    try:
+        offset = payload_offset(head, value_size)
+    except ValueError as e:
+        return str(e)
+    outcome, _ = check_header(key, head[: HEADER.size], value_size, None, offset)
+    return outcome[1] if outcome != OK else value_size - offset
 
 
 def error_outcome(message: str) -> Outcome:
@@ -207,9 +249,21 @@ class Replies:
         if size < HEADER.size:
             self._skip(size + 2)
             return ("corrupt", f"value of {size} bytes is shorter than its header")
-        outcome, checksum = check_header(key, self._take(HEADER.size), size, len(out))
+        header = self._take(HEADER.size)
+        offset = HEADER.size
+        if header[4] == DESCRIBED_VERSION:
+            if size < HEAD_PROBE:
+                self._skip(size - HEADER.size + 2)
+                return ("corrupt", f"value of {size} bytes is shorter than its description")
+            try:
+                offset = payload_offset(header + self._take(DESCRIPTION.size), size)
+            except ValueError as e:
+                self._skip(size - HEAD_PROBE + 2)
+                return ("corrupt", str(e))
+            self._skip(offset - HEAD_PROBE)
+        outcome, checksum = check_header(key, header, size, len(out), offset)
         if outcome != OK:
-            self._skip(size - HEADER.size + 2)
+            self._skip(size - offset + 2)
             return outcome
         self._read_into(out)
         self._skip(2)
@@ -290,7 +344,7 @@ def stream_shard(pool: Any, jobs: list[Job], stream: Stream) -> list[Outcome]:
 def send_sets(jobs: list[Job], conn: Any, ttl_ms: int | None) -> list[Outcome]:
     """Pipeline one SET per job, header and payload sent as separate buffers."""
     for job in jobs:
-        header = pack_header(job.key, job.data)
+        header = pack_header(job.key, job.data, job.desc)
         conn.send_packed_command(set_parts(job.rkey, header, job.data, ttl_ms), False)
     replies = Replies(socket_of(conn))
     return [replies.status() for _ in jobs]

@@ -2,7 +2,8 @@
 
 Layout: ``<path>/chunks/<first 2 hex>/<96-hex ChunkKey>.kv``; writes in flight live in
 ``<path>/tmp/<random>.tmp`` (leftovers are removed at start-up). The file format (a 4096-byte
-header block, then the payload) is in ``ssd_format.py``.
+header block, then the payload; with KV events on the block also holds the chunk's token ids
+and parent, ``describe``/``describe_many``) is in ``ssd_format.py``.
 
 Durability (``fsync``): every write goes to a tmp file that is renamed into place.
 ``"never"`` (default) fsyncs nothing: a crash can lose recent chunks, but torn bytes are never
@@ -53,9 +54,16 @@ from lmcache_svc.tiers._fileio import (
     unlink,
     write_head_and_body,
 )
-from lmcache_svc.tiers.base import Buffer, ItemResult, Tier
+from lmcache_svc.tiers.base import Buffer, ChunkDescription, ItemResult, Tier
 from lmcache_svc.tiers.ledger import SizeLedger
-from lmcache_svc.tiers.ssd_format import BLOCK, HEADER, key_from_name, pack_header, parse_header
+from lmcache_svc.tiers.ssd_format import (
+    BLOCK,
+    HEADER,
+    key_from_name,
+    pack_header,
+    parse_description,
+    parse_header,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -182,6 +190,11 @@ class SsdTier(Tier):
             items = [(key, entry.length) for key, entry in self._index.items()]
         yield from items
 
+    def describe_many(self, keys: Sequence[ChunkKey]) -> list[ChunkDescription | None]:
+        """Each chunk's stored description, from its file's header block (one 4 KiB read per
+        file, the payload untouched); a damaged one is logged and answers ``None``."""
+        return [self._description(key) for key in keys]
+
     def close(self) -> None:
         """Stop the batch I/O threads; later batches run on the caller's thread."""
         self._io.close()
@@ -264,6 +277,20 @@ class SsdTier(Tier):
             raise TierError(f"{path}: {e.strerror}") from None
         return st.st_mtime_ns, key, _Entry(length, st.st_size)
 
+    def _description(self, key: ChunkKey) -> ChunkDescription | None:
+        path = self._path_of(key)
+        try:
+            with open(path, "rb") as f:
+                raw = f.read(BLOCK)
+                size = os.fstat(f.fileno()).st_size
+            parse_header(raw, key, size)
+            return parse_description(raw, key)
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError) as e:
+            logger.warning("ssd tier: chunk %s: description refused: %s", key.hex(), e)
+            return None
+
     # -- writes -----------------------------------------------------------------------------
 
     def _reserve(self, key: ChunkKey, length: int) -> _Entry | None:
@@ -310,7 +337,7 @@ class SsdTier(Tier):
 
     def _write_tmp(self, key: ChunkKey, payload: memoryview) -> str:
         tmp = os.path.join(self._tmp_dir, f"{uuid.uuid4().hex}.tmp")
-        header = pack_header(key, payload)
+        header = pack_header(key, payload, None if self.describe is None else self.describe(key))
         try:
             fd = os.open(tmp, self._write_flags, 0o644)
             try:

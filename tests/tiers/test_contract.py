@@ -14,7 +14,7 @@ import pytest
 from lmcache_svc.errors import Corrupted, InvalidArgument, TierError
 from lmcache_svc.keys import ChunkKey
 from lmcache_svc.shm.arena import Arena
-from lmcache_svc.tiers.base import MEDIA, Failed, SlotTier, Tier
+from lmcache_svc.tiers.base import MEDIA, ChunkDescription, Failed, SlotTier, Tier
 from lmcache_svc.tiers.cpu import CpuTier
 from lmcache_svc.tiers.ssd import SsdTier
 from tests.helpers import make_chunk, make_key
@@ -71,6 +71,25 @@ def tier(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Tier]:
     made = FACTORIES[request.param](tmp_path, request)
     yield made
     made.close()
+
+
+def test_described_values_read_back_the_same(tier: Tier) -> None:
+    """With ``describe`` set (KV events on), values read back byte for byte at the same
+    size, and a tier that persists (SSD, Redis) gives each description back from its
+    headers; others give none."""
+    desc = ChunkDescription(bytes(range(32)), bytes(range(256)) * 4)
+    tier.describe = {make_key(1): desc, make_key(2): desc}.get
+    assert tier.put(make_key(1), make_chunk(1, CHUNK))
+    items = [(make_key(i), make_chunk(i, CHUNK)) for i in (2, 3)]
+    assert tier.put_many(items) == [True, True]
+    for i in (1, 2, 3):
+        assert tier.size_of(make_key(i)) == CHUNK
+        out = bytearray(CHUNK)
+        assert tier.read_into(make_key(i), memoryview(out)) and bytes(out) == make_chunk(i, CHUNK)
+    keys = [make_key(i) for i in (1, 2, 3, 4)]
+    persists = tier.medium in ("disk", "remote")
+    expected = [desc, desc, None, None] if persists else [None] * 4
+    assert tier.describe_many(keys) == expected
 
 
 def test_round_trip(tier: Tier) -> None:

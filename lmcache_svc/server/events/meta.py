@@ -17,7 +17,6 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 from lmcache_svc.errors import InvalidArgument
 from lmcache_svc.keys import (
@@ -27,14 +26,10 @@ from lmcache_svc.keys import (
     chunk_hash_packed,
     make_chunk_key,
 )
+from lmcache_svc.tiers.base import ChunkDescription
 
-
-@dataclass(frozen=True, slots=True)
-class ChunkMeta:
-    parent: bytes
-    """The previous chunk's hash, or the namespace id for a sequence's first chunk."""
-    tokens: bytes
-    """The chunk's token ids, little-endian uint32."""
+ChunkMeta = ChunkDescription
+"""A chunk's parent and token ids (the SSD and Redis tiers store the same with the value)."""
 
 
 def describe_chunks(

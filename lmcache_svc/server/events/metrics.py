@@ -35,7 +35,8 @@ class EventMetrics:
             "lmcache_svc_events_unannounced",
             "Chunks that became loadable in a tier but were not announced: no_tokens (stored "
             "without token ids, or their description was dropped), no_parent (their parent "
-            "chunk is in no tier)",
+            "chunk is in no tier), bad_description (a description stored with an SSD or Redis "
+            "value that is not the chunk's)",
             ["reason"],
             registry=registry,
         )

@@ -31,6 +31,12 @@ order of stores and removals per chunk, and what is announced, are those of the 
 publisher that falls ``max_pending`` records behind makes each caller apply
 ``HELP_PER_RECORD`` of them per record it adds (``publisher.py``).
 
+Chunks a lower tier held at start-up (an SSD tier's files after a restart, a shared Redis
+other servers wrote to) or a resync found are announced from the descriptions stored with
+their values (``chunks_found``): each is checked against its chunk hash as a received one
+is, waits in ``found.FoundChunks`` until its namespace is registered (and its tier is up),
+and is announced then, parents first.
+
 The first time a topic is used after start-up its stream begins with ``AllBlocksCleared``
 (a restarted server announces that what it published before is gone); the same happens,
 followed by a full re-announcement, when the pending queue overflowed (events dropped): the
@@ -45,7 +51,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING
@@ -62,11 +68,12 @@ from lmcache_svc.server.events.format import (
     StoredWire,
     token_ids_raw,
 )
+from lmcache_svc.server.events.found import FoundChunks, hashes_to
 from lmcache_svc.server.events.meta import ChunkMeta, MetaStore, describe_chunks, parent_key
 from lmcache_svc.server.events.metrics import EventMetrics
 from lmcache_svc.server.events.publisher import EventLog, ZmqPublisher
 from lmcache_svc.server.events.settings import EventsSettings
-from lmcache_svc.tiers.base import Tier
+from lmcache_svc.tiers.base import ChunkDescription, Tier
 
 if TYPE_CHECKING:
     from lmcache_svc.server.events.redis_channel import RedisChannel
@@ -134,6 +141,7 @@ class NodeEvents:
         self._topics: dict[bytes, NamespaceId] = {}
         self._views: dict[str, TierView | None] = {}
         self._announced: dict[str, set[ChunkKey]] = {}
+        self._found = FoundChunks()
         self._log: EventLog[Change] = EventLog(
             settings.buffer_steps, settings.max_pending, self._resync_locked, self._apply
         )
@@ -174,6 +182,9 @@ class NodeEvents:
                 topic, block_size, max(1, namespace.chunk_size // block_size), namespace
             )
             self._queue(topic, [AllBlocksCleared()])
+            woken = self._wake_found_locked(namespace.namespace_id)
+        for change in woken:
+            self._record(change)
 
     def _subscribed(self) -> None:
         """A subscriber (re)connected: every topic on which nothing is announced yet starts
@@ -199,6 +210,9 @@ class NodeEvents:
         view = self._view(tier)
         pub = self._published.get(NamespaceId(key[:NAMESPACE_ID_BYTES]))
         if view is None or pub is None:
+            if not loadable and self._found:
+                with self._lock:
+                    self._found.forget(tier, key)
             return
         if tier.shared and self._channel is not None:  # tell the other servers
             self._channel.announce(key, self._meta.get(key), loadable)
@@ -225,6 +239,71 @@ class NodeEvents:
             self._meta.put(key, checked)
         self._record((tier.name, view, pub, key, meta is not None))
         return True
+
+    # -- chunks found in a tier at start-up or by a resync --------------------------------
+
+    @property
+    def max_described(self) -> int:
+        return self.settings.max_chunks
+
+    def description(self, key: ChunkKey) -> ChunkDescription | None:
+        """The chunk's description, for a tier to store with its value."""
+        return self._meta.get(key)
+
+    def chunks_found(self, tier: Tier, found: Sequence[tuple[ChunkKey, ChunkDescription]]) -> None:
+        """``tier`` holds these chunks, described so (read from their values): each is
+        checked against its hash; those of a published namespace are announced, the others
+        kept until their namespace is registered."""
+        if self._view(tier) is None:
+            return
+        checked: list[tuple[ChunkKey, ChunkDescription]] = []
+        for key, desc in found:  # one sha256 each, outside the lock
+            if hashes_to(key, desc):
+                checked.append((key, desc))
+            else:
+                self._refuse(tier, key, "its token ids and parent do not hash to it")
+        with self._lock:
+            self._found.add(tier, checked)
+            changes = [] if self._found.is_down(tier) else self._wake_found_locked(None, tier)
+        for change in changes:
+            self._record(change)
+
+    def _wake_found_locked(
+        self, namespace_id: NamespaceId | None, tier: Tier | None = None
+    ) -> list[Change]:
+        """The changes that announce the found chunks of published namespaces (of
+        ``namespace_id`` only, or of ``tier`` only, when given), parents first; each
+        description's token count is checked against the namespace's chunk size (its hash
+        was checked when it was found)."""
+
+        def wanted(key: ChunkKey) -> bool:
+            ns_id = key[:NAMESPACE_ID_BYTES]
+            return namespace_id in (None, ns_id) and ns_id in self._published
+
+        woken: list[tuple[ChunkKey, Tier]] = []
+        for key, held_by, desc in self._found.take(wanted, tier):
+            chunk_size = self._published[NamespaceId(key[:NAMESPACE_ID_BYTES])].namespace.chunk_size
+            if len(desc.tokens) != 4 * chunk_size:
+                why = f"its description holds {len(desc.tokens) // 4} token ids, its "
+                self._refuse(held_by, key, why + f"namespace's chunks {chunk_size}")
+                continue
+            self._meta.put(key, desc)
+            woken.append((key, held_by))
+        depth = self._depths([k for k, _ in woken])
+        woken.sort(key=lambda item: depth[item[0]])
+        out: list[Change] = []
+        for key, held_by in woken:
+            view = self._view(held_by)
+            pub = self._published[NamespaceId(key[:NAMESPACE_ID_BYTES])]
+            if view is not None:
+                out.append((held_by.name, view, pub, key, True))
+        return out
+
+    def _refuse(self, tier: Tier, key: ChunkKey, why: str) -> None:
+        log.warning(
+            "events: chunk %s found in tier %s not announced: %s", key.hex(), tier.name, why
+        )
+        self.metrics.unannounced.labels(reason="bad_description").inc()
 
     def _record(self, change: Change) -> None:
         """Queue a change for the publisher's thread; wake it if it waits (``idle``), help
@@ -263,6 +342,11 @@ class NodeEvents:
         held = set(keys) if keys is not None else set()
         with self._lock:
             self._log.apply_changes()
+            if keys is None:
+                self._found.tier_down(tier)
+            else:  # found chunks of published namespaces get their metadata: announced below
+                self._found.tier_holds(tier, held)
+                self._wake_found_locked(None, tier)
             announced = self._announced.setdefault(tier.name, set())
             for key in [k for k in announced if k not in held]:
                 announced.discard(key)

@@ -14,9 +14,10 @@ announcing at lookup would tell a router only what this node was already asked f
 channel is at-most-once: messages sent while a receiver is disconnected (a Redis node it
 listened to died, a network cut) are lost, and a chunk Redis itself evicts or expires is not
 announced as removed; after an outage the Redis tier is resynced from a scan
-(``lower_tier_manager.py``), which removes what is gone but can only re-announce chunks
-whose tokens this server still knows. In a Redis Cluster a PUBLISH reaches every node's
-subscribers, so a receiver listens on any live node and moves to another when it fails.
+(``lower_tier_manager.py``), which removes what is gone and announces what it finds new
+from the descriptions stored in the values (``tiers/described.py``). In a Redis Cluster a
+PUBLISH reaches every node's subscribers, so a receiver listens on any live node and moves
+to another when it fails.
 """
 
 from __future__ import annotations

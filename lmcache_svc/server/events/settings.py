@@ -44,7 +44,8 @@ class EventsSettings(BaseModel):
     for the publisher thread and not yet applied: past it each store applies two."""
     max_chunks: int = Field(262_144, ge=1)
     """Chunks whose token ids are kept (about 4 bytes per token plus ~150 bytes each);
-    the least recently stored are forgotten first."""
+    the least recently stored are forgotten first. Also the most descriptions read back
+    per SSD or Redis tier from the stored values at start-up and per resync."""
     hwm: int = Field(100_000, ge=1)
     """ZMQ high-water mark of the PUB socket (messages queued per subscriber)."""
     redis_channel: bool = True
