@@ -169,9 +169,15 @@ def test_one_indexer_on_the_node_and_engine_streams_scores_only_the_first(
     node = engine.server.ready["events"]
     shared = Indexer.start({1: engine.endpoint, 2: node}, BLOCK, tmp_path)
     try:
-        warm = prompt(10, CHUNK)
-        store(engine.server, warm)
-        engine.poll(lambda: shared.matched(warm, 2, "cpu") == CHUNK, "the node stream", shared)
+        warm: list[list[int]] = []
+
+        def node_heard() -> bool:  # what the server publishes before the subscription is lost
+            warm.append(prompt(100 + len(warm), CHUNK))
+            store(engine.server, warm[-1])
+            time.sleep(0.2)
+            return any(shared.matched(w, 2, "cpu") == CHUNK for w in warm)
+
+        engine.poll(node_heard, "the node stream", shared)
 
         tokens = prompt(11, 2 * CHUNK)
         store(engine.server, tokens)  # the node stream has it now; the engine's at its next step
