@@ -160,12 +160,13 @@ def test_dynamo_scores_the_sidecars_blocks_on_the_engines_stream(engine: Engine)
     engine.poll(scored(computed, 0, 4 * CHUNK), "vLLM's eviction")
 
 
-def test_one_indexer_on_the_node_and_engine_streams_scores_only_the_first(
+def test_one_indexer_on_both_streams_ignores_the_engines_first_blocks(
     engine: Engine, tmp_path: Path
 ) -> None:
     """Pins Dynamo 1.6.1: the node stream announces a chunk first, under the server's block
     hashes; the engine's relay of it, under the engine's, is ignored by an indexer that
-    follows both (the engine-only indexer scores it)."""
+    follows both where the two name the same edge, a prompt's first block (the engine-only
+    indexer scores it); CPU blocks that continue the engine's GPU blocks are scored."""
     node = engine.server.ready["events"]
     shared = Indexer.start({1: engine.endpoint, 2: node}, BLOCK, tmp_path)
     try:
@@ -179,16 +180,28 @@ def test_one_indexer_on_the_node_and_engine_streams_scores_only_the_first(
 
         engine.poll(node_heard, "the node stream", shared)
 
-        tokens = prompt(11, 2 * CHUNK)
-        store(engine.server, tokens)  # the node stream has it now; the engine's at its next step
+        # a prompt the engine's GPU does not hold: its first block's edge is the node's
+        alone = prompt(11, 2 * CHUNK)
+        # a prompt whose first chunk vLLM holds: the engine's CPU blocks continue its GPU
+        # blocks, under edges whose parents only the engine names
+        continued = prompt(12, 2 * CHUNK)
+        engine.command(gpu=continued[:CHUNK])  # published at the next step
+        for tokens in (alone, continued):
+            store(engine.server, tokens)  # the node stream has it now, the engine's later
         deadline = time.monotonic() + 30
-        while shared.matched(tokens, 2, "cpu") != 2 * CHUNK:
+        while any(shared.matched(t, 2, "cpu") != 2 * CHUNK for t in (alone, continued)):
             assert time.monotonic() < deadline, shared.log()
             time.sleep(0.1)
-        engine.poll(lambda: engine.indexer.matched(tokens, 1, "cpu") == 2 * CHUNK, "the relay")
+
+        def relayed() -> bool:
+            return all(engine.indexer.matched(t, 1, "cpu") == 2 * CHUNK for t in (alone, continued))
+
+        engine.poll(relayed, "the relay")
         for _ in range(10):  # the shared indexer read the same batch
-            assert shared.matched(tokens, 1, "cpu") == 0
-            assert shared.matched(tokens, 2, "cpu") == 2 * CHUNK
+            assert shared.matched(alone, 1, "cpu") == 0
+            assert shared.matched(alone, 2, "cpu") == 2 * CHUNK
+            assert shared.matched(continued, 1, "gpu") == CHUNK
+            assert shared.matched(continued, 1, "cpu") == 2 * CHUNK
             time.sleep(0.1)
     finally:
         shared.stop()

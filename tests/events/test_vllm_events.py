@@ -1,8 +1,8 @@
 """A real engine's own event stream, read with vLLM's own classes and by NVIDIA Dynamo's
 KV indexer: the sidecar's chunks appear in it next to vLLM's GPU blocks, with the engine's
 own block hashes, and leave it when the sidecar drops them or restarts. Dynamo follows the
-engine's stream and the node stream with one indexer each: one indexer on both scores a
-sidecar chunk for the first stream to announce it only (docs/events.md,
+engine's stream and the node stream with one indexer each: one indexer on both would drop
+the engine's copies of chunks that start a prompt (docs/events.md,
 ``test_dynamo_engine_stream.py``).
 
 One engine, one sidecar and two indexers for the module (an engine takes minutes to start on
