@@ -202,7 +202,12 @@ def test_dynamo_scores_the_engine_and_the_node_for_the_sidecars_tiers(node: Node
     tokens = prompt(2, 4 * CHUNK + 30)
     hashes = store_as_another_engine(node, tokens)
     full = 4 * CHUNK
-    poll(node, lambda: idx.matched(tokens, 1, "cpu") == full, "the engine's CPU blocks", tokens)
+    poll(
+        node,
+        lambda: idx.matched(tokens, 1, "cpu") == full,
+        "the engine's CPU blocks",
+        node_tokens=tokens,
+    )
     poll(node, lambda: node_idx.matched(tokens, 2, "cpu") == full, "another engine's chunks")
     assert idx.matched(tokens, 1, "gpu") == 0  # only the sidecar holds them
 
@@ -211,7 +216,12 @@ def test_dynamo_scores_the_engine_and_the_node_for_the_sidecars_tiers(node: Node
     with CacheClient(node.server.socket, timeout_s=5) as client:
         ns_id = client.register_namespace(namespace)
         assert client.delete(ns_id, hashes[2:]) == 2
-    poll(node, lambda: idx.matched(tokens, 1, "cpu") == 2 * CHUNK, "the engine's removal", tokens)
+    poll(
+        node,
+        lambda: idx.matched(tokens, 1, "cpu") == 2 * CHUNK,
+        "the engine's removal",
+        node_tokens=tokens,
+    )
     poll(node, lambda: node_idx.matched(tokens, 2, "cpu") == 2 * CHUNK, "the node's removal")
 
     # a sidecar restart: nothing of it is left in either stream, vLLM's own blocks stay
@@ -219,7 +229,9 @@ def test_dynamo_scores_the_engine_and_the_node_for_the_sidecars_tiers(node: Node
     old.stop()  # SIGTERM: the socket and the segment go, the socket's directory stays
     node.server = start_server(node.tmp, env=node.server_env, socket_path=old.socket)
     node.old_workdirs.append(old.workdir)
-    poll(node, lambda: idx.matched(tokens, 1, "cpu") == 0, "the engine's restart", tokens)
+    poll(
+        node, lambda: idx.matched(tokens, 1, "cpu") == 0, "the engine's restart", node_tokens=tokens
+    )
     poll(node, lambda: node_idx.matched(tokens, 2, "cpu") == 0, "the node's restart")
     assert idx.matched(computed, 1, "gpu") == 2 * CHUNK
 
