@@ -1,8 +1,11 @@
 """A real engine's own event stream, read with vLLM's own classes and by NVIDIA Dynamo's
 KV indexer: the sidecar's chunks appear in it next to vLLM's GPU blocks, with the engine's
-own block hashes, and leave it when the sidecar drops them or restarts.
+own block hashes, and leave it when the sidecar drops them or restarts. Dynamo follows the
+engine's stream and the node stream with one indexer each: one indexer on both would drop
+the engine's copies of chunks that start a prompt (docs/events.md,
+``test_dynamo_engine_stream.py``).
 
-One engine, one sidecar and one indexer for the module (an engine takes minutes to start on
+One engine, one sidecar and two indexers for the module (an engine takes minutes to start on
 this machine): the tests run in order on distinct prompts."""
 
 from __future__ import annotations
@@ -42,7 +45,8 @@ class Node:
     engine: EngineProc
     engine_stream: VllmReader
     node_stream: VllmReader
-    indexer: Indexer
+    indexer: Indexer  # the engine's stream: worker 1
+    node_indexer: Indexer  # the node stream: worker 2
     old_workdirs: list[Path] = field(default_factory=list)
 
 
@@ -65,9 +69,13 @@ def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Node]:
         engine, endpoint = start_engine("a", model_dir, tmp, server)
         engine_stream = VllmReader.start(endpoint)
         stop.append(engine_stream)
-        indexer = Indexer.start({1: endpoint, 2: server.ready["events"]}, CHUNK, tmp)
+        indexer = Indexer.start({1: endpoint}, CHUNK, tmp)
         stop.append(indexer)
-        node = Node(tmp, model_dir, server, env, engine, engine_stream, node_stream, indexer)
+        node_indexer = Indexer.start({2: server.ready["events"]}, CHUNK, tmp)
+        stop.append(node_indexer)
+        node = Node(
+            tmp, model_dir, server, env, engine, engine_stream, node_stream, indexer, node_indexer
+        )
         yield node
         server = node.server
         for workdir in node.old_workdirs:
@@ -183,32 +191,48 @@ def test_the_engine_announces_chunks_other_engines_stored(node: Node) -> None:
     assert [e["parent_block_hash"] for e in mine[1:]] == [e["block_hashes"][0] for e in mine[:2]]
 
 
-def test_dynamo_scores_the_node_for_its_tiers(node: Node) -> None:
-    """Dynamo's indexer on the node stream (worker 2) and on the engine's (worker 1)."""
-    idx = node.indexer
+def test_dynamo_scores_the_engine_and_the_node_for_the_sidecars_tiers(node: Node) -> None:
+    """Dynamo's indexers on the engine's stream (worker 1) and on the node stream (worker 2)."""
+    idx, node_idx = node.indexer, node.node_indexer
     computed = prompt(3, 2 * CHUNK + 10)
     node.engine.generate([computed], 2)  # vLLM's own blocks, and the sidecar's
     poll(node, lambda: idx.matched(computed, 1, "gpu") == 2 * CHUNK, "the engine's GPU blocks")
-    poll(node, lambda: idx.matched(computed, 2, "cpu") == 2 * CHUNK, "the node's CPU blocks")
+    poll(node, lambda: node_idx.matched(computed, 2, "cpu") == 2 * CHUNK, "the node's CPU blocks")
 
     tokens = prompt(2, 4 * CHUNK + 30)
     hashes = store_as_another_engine(node, tokens)
     full = 4 * CHUNK
-    poll(node, lambda: idx.matched(tokens, 2, "cpu") == full, "another engine's chunks")
+    poll(
+        node,
+        lambda: idx.matched(tokens, 1, "cpu") == full,
+        "the engine's CPU blocks",
+        node_tokens=tokens,
+    )
+    poll(node, lambda: node_idx.matched(tokens, 2, "cpu") == full, "another engine's chunks")
+    assert idx.matched(tokens, 1, "gpu") == 0  # only the sidecar holds them
 
-    # the sidecar drops the last two chunks: the node's CPU match shrinks to two blocks
+    # the sidecar drops the last two chunks: the CPU match shrinks to two blocks
     namespace = tiny_model_namespace(node.model_dir, chunk_size=CHUNK)
     with CacheClient(node.server.socket, timeout_s=5) as client:
         ns_id = client.register_namespace(namespace)
         assert client.delete(ns_id, hashes[2:]) == 2
-    poll(node, lambda: idx.matched(tokens, 2, "cpu") == 2 * CHUNK, "the removal")
+    poll(
+        node,
+        lambda: idx.matched(tokens, 1, "cpu") == 2 * CHUNK,
+        "the engine's removal",
+        node_tokens=tokens,
+    )
+    poll(node, lambda: node_idx.matched(tokens, 2, "cpu") == 2 * CHUNK, "the node's removal")
 
-    # a sidecar restart clears the node; vLLM's own blocks stay the engine's
+    # a sidecar restart: nothing of it is left in either stream, vLLM's own blocks stay
     old = node.server
     old.stop()  # SIGTERM: the socket and the segment go, the socket's directory stays
     node.server = start_server(node.tmp, env=node.server_env, socket_path=old.socket)
     node.old_workdirs.append(old.workdir)
-    poll(node, lambda: idx.matched(tokens, 2, "cpu") == 0, "the restart")
+    poll(
+        node, lambda: idx.matched(tokens, 1, "cpu") == 0, "the engine's restart", node_tokens=tokens
+    )
+    poll(node, lambda: node_idx.matched(tokens, 2, "cpu") == 0, "the node's restart")
     assert idx.matched(computed, 1, "gpu") == 2 * CHUNK
 
     # and the engine's own stream removes every block it announced from the old sidecar
