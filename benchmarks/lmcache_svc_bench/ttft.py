@@ -39,6 +39,7 @@ from lmcache_svc_bench.vllm_common import (
     random_tokens,
     require_vllm,
     shape_named,
+    wait_for_commits,
 )
 from lmcache_svc_bench.vllm_ttft import (
     Results,
@@ -57,7 +58,9 @@ from lmcache_svc_bench.vllm_ttft_report import write_report
 STRATEGIES = ("a", "b", "b256", "bl", "c", "d")
 QUICK_STRATEGIES = FULL = "a,b,c,d"
 EXPLICIT_CHUNKS = {"b256": 256}  # strategies that configure a chunk size of their own
-PLUGIN_SETTINGS = {"bl": {"read_in_place": False}}  # other settings of a (b) variant
+# Other settings of a (b) variant; each variant its own tenant, so it never hits what another
+# variant's engine stored (the queries, saved after their first token).
+PLUGIN_SETTINGS: dict[str, dict[str, object]] = {"bl": {"read_in_place": False, "tenant": "bl"}}
 
 
 @dataclass(frozen=True)
@@ -176,9 +179,16 @@ def _run_strategies(
             else:
                 chunk_size = EXPLICIT_CHUNKS.get(name, p.chunk_size)
                 settings = PLUGIN_SETTINGS.get(name, {})
-                write_contexts(setup, workload, name, plugin_config(setup, chunk_size))
+                config = plugin_config(setup, chunk_size, **settings)
+                held_before = wait_for_commits(setup.server_socket, 0)
+                write_contexts(setup, workload, name, config)
                 results[name] = lmcache_svc(
-                    setup, workload, chunk_size=chunk_size, name=f"{name}-lmcache", **settings
+                    setup,
+                    workload,
+                    chunk_size=chunk_size,
+                    name=f"{name}-lmcache",
+                    held_before=held_before,
+                    **settings,
                 )
     finally:
         shutil.rmtree(storage_dir, ignore_errors=True)

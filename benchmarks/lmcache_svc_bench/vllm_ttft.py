@@ -132,13 +132,19 @@ def plugin_config(setup: Setup, chunk_size: int | None, **settings: Any) -> dict
 
 
 def lmcache_svc(
-    setup: Setup, workload: Workload, *, chunk_size: int | None, name: str, **settings: Any
+    setup: Setup,
+    workload: Workload,
+    *,
+    chunk_size: int | None,
+    name: str,
+    held_before: int = 0,
+    **settings: Any,
 ) -> Results:
-    """Measure (b); the contexts must have been written with ``plugin_config``.
-    ``settings``: other plugin settings of the measured engine."""
+    """Measure (b); the contexts must have been written with ``plugin_config``, after the
+    server held ``held_before`` chunks. ``settings``: other plugin settings of the engine."""
     chunk = PLUGIN_DEFAULT_CHUNK if chunk_size is None else chunk_size
     num_chunks = sum(len(c) // chunk for c in workload.contexts.values())
-    held = wait_for_commits(setup.server_socket, num_chunks)
+    held = wait_for_commits(setup.server_socket, held_before + num_chunks) - held_before
     setup.progress(f"  the server holds {held} chunks (the contexts alone: {num_chunks})")
     config = plugin_config(setup, chunk_size, **settings)
     engine = _start(setup, name, kv_config=config, prefix_caching=False)
