@@ -179,27 +179,16 @@ class CacheClient(MemoryCalls):
         as of its last registration; None when they are not published."""
         return self._events.get(bytes(namespace_id))
 
-    def lookup_local(
-        self, namespace_id: bytes, chunk_hashes: Sequence[bytes]
-    ) -> LookupResult | None:
-        """``lookup``'s answer from the shared-memory lookup index, with no call; None when
-        the index cannot give it (not mapped, ``local_lookup`` off, a miss that may be a hit
-        in a lower tier...)."""
-        session = self._session
-        ns = self._namespaces.get(bytes(namespace_id))
-        if not self._local_lookup or session is None or not session.alive or ns is None:
-            return None
-        local = answer_locally(session.indexes, ns.tenant, namespace_id, chunk_hashes)
-        if local is not None:
-            self._reports.count(namespace_id, len(chunk_hashes), local.num_hit_chunks)
-        return local
-
     def lookup(
         self, namespace_id: bytes, chunk_hashes: Sequence[bytes], *, timeout_s: float | None = None
     ) -> LookupResult:
-        local = self.lookup_local(namespace_id, chunk_hashes)
-        if local is not None:
-            return local
+        session = self._session
+        ns = self._namespaces.get(bytes(namespace_id))
+        if self._local_lookup and session is not None and session.alive and ns is not None:
+            local = answer_locally(session.indexes, ns.tenant, namespace_id, chunk_hashes)
+            if local is not None:
+                self._reports.count(namespace_id, len(chunk_hashes), local.num_hit_chunks)
+                return local
         resp: pb.LookupResponse = self._ns_call(
             self._stub.Lookup,
             pb.LookupRequest(namespace_id=namespace_id, chunk_hashes=chunk_hashes),

@@ -26,7 +26,6 @@ from lmcache_svc_vllm.worker import WorkerSide
 from lmcache_svc.client import CacheClient
 from lmcache_svc.keys import chunk_hashes
 from lmcache_svc_bench.procs import ServerProc, start_server
-from tests.helpers import count_calls
 from tests.vllm.test_scheduler_side import (
     BLOCK,
     CHUNK,
@@ -142,21 +141,3 @@ def _no_scheduled_requests() -> Any:
         scheduled_cached_reqs=cached,
         kv_connector_block_state=None,
     )
-
-
-def test_an_index_answer_comes_inline_without_the_lookup_thread(
-    server: ServerProc, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The scheduler answers from the index on vLLM's first ask, on its own thread: no
-    thread hop, no deferred step."""
-    prompt = tokens(34, 2 * CHUNK + 5)
-    store_prefix(server, prompt, 2)
-    scheduler, _ = make_scheduler(server.socket)
-    submitted = count_calls(monkeypatch, scheduler._lookups, "submit")  # noqa: SLF001
-    calls = count_lookup_calls(scheduler, monkeypatch)
-    try:
-        got = scheduler.get_num_new_matched_tokens(request("r-inline", prompt), 0)
-        assert got == (2 * CHUNK, False)
-        assert submitted == [] and calls[0] == 0
-    finally:
-        scheduler.shutdown()

@@ -159,29 +159,6 @@ class ServerLink:
             "lookup", lambda ns: self._client.lookup(ns, hashes, timeout_s=timeout_s)
         )
 
-    @property
-    def answers_locally(self) -> bool:
-        """Whether a lookup may be answered from the server's shared-memory index here
-        (``local_lookup``, the session's segments mapped, the namespace registered)."""
-        return (
-            self.config.local_lookup
-            and self._shm_mapped
-            and self._namespace_id is not None
-            and not self.is_down
-        )
-
-    def lookup_local(self, hashes: Sequence[bytes]) -> LookupResult | None:
-        """The answer from the server's shared-memory lookup index, with no call and no
-        wait; None when it cannot be had so (then ``lookup``)."""
-        ns_id = self._namespace_id
-        if ns_id is None or not self._shm_mapped or self.is_down:
-            return None
-        try:
-            return self._client.lookup_local(ns_id, hashes)
-        except Exception:  # never into vLLM's scheduler: ask the server instead
-            logger.exception("lmcache-svc: answering a lookup from the index failed")
-            return None
-
     # -- worker side: stores -------------------------------------------------------------
 
     def reserve(self, hashes: Sequence[bytes], chunk_bytes: int) -> Reservation | None:

@@ -6,10 +6,8 @@ hit beyond vLLM's own prefix cache (capped so at least one prompt token is compu
 turn vLLM's block allocation into a ``LoadPlan``. Each step, chunks that the step completes
 become a ``SavePlan``. Chunks the server already holds are not saved again.
 
-Runs inside vLLM's scheduler loop, so nothing here may block for long or raise. When the
-server's shared-memory lookup index is mapped here, the prompt is hashed and answered from
-it inline (no call, no thread hop); otherwise, or when the index cannot tell, hashing and
-the lookup run on a small thread pool, and the scheduler waits for the answer at most
+Runs inside vLLM's scheduler loop, so nothing here may block for long or raise. Hashing
+and the lookup run on a small thread pool; the scheduler waits for the answer at most
 ``tuning.lookup_wait_ms`` and otherwise tells vLLM "not decided yet" (``None``), which makes
 vLLM ask again on its next step while it keeps running the other requests. The lookup itself
 has a deadline (``lookup_timeout_ms``) after which it is a miss (``link.py``).
@@ -129,33 +127,14 @@ class SchedulerSide:
         if token_ids is None:
             return None
         state = RequestState(len(token_ids), token_ids, started=time.monotonic())
-        if len(token_ids) < self.chunk_size:
-            return state
-        if not self.link.answers_locally:
+        if len(token_ids) >= self.chunk_size:
             state.pending = self._lookups.submit(self.stats.cpu_timed, self._lookup, token_ids)
-            return state
-        hashes = self._hash(token_ids)
-        start = time.perf_counter()
-        local = self.link.lookup_local(hashes[0])
-        if local is None:
-            state.pending = self._lookups.submit(self.stats.cpu_timed, self._ask, hashes)
-            return state
-        trace.mark("lookup.answered")
-        self._apply(state, LookupAnswer(hashes, local, time.perf_counter() - start))
         return state
-
-    def _hash(self, token_ids: list[int]) -> Hashes:
-        """The prompt's chunk hashes for every rank."""
-        hashes = tuple(tuple(chunk_hashes(ns, token_ids)) for ns in self.namespaces)
-        trace.mark("lookup.hashed")
-        return hashes
 
     def _lookup(self, token_ids: list[int]) -> LookupAnswer:
         """On a lookup thread: hash for every rank, ask the server about rank 0's chunks."""
-        return self._ask(self._hash(token_ids))
-
-    def _ask(self, hashes: Hashes) -> LookupAnswer:
-        """On a lookup thread: ask the server about rank 0's chunks."""
+        hashes = tuple(tuple(chunk_hashes(ns, token_ids)) for ns in self.namespaces)
+        trace.mark("lookup.hashed")
         start = time.perf_counter()
         result = self.link.lookup(hashes[0])
         trace.mark("lookup.answered")
