@@ -321,3 +321,46 @@ def test_a_chunk_freed_and_overwritten_during_the_copy_is_not_kept(
     assert data["load_in_place_chunks"] == 0 and data["load_chunks"] == 1
     for w in (src, dst, *overwritten):
         w.shutdown()
+
+
+def test_a_step_with_loads_reserves_its_save_slots_after_the_copies(
+    server: ServerProc, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The reservation call would compete with the load's copies for the interpreter: a
+    step that loads asks for its save slots once the loads are copied, still before the
+    forward pass; a step without loads asks at once."""
+    clear_server(server)
+    src, src_layers = _saved(server, 31, HASHES[:1], (3, 4))
+    wait_stored(server, 1)
+    dst, dst_layers = _ready_worker(server, 32)
+    order: list[str] = []
+    copy_in, reserve = dst._copy_in, dst.link.reserve  # noqa: SLF001
+
+    def copying(*args: object) -> object:
+        order.append("copy")
+        return copy_in(*args)
+
+    def reserving(*args: object) -> object:
+        order.append("reserve")
+        return reserve(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(dst, "_copy_in", copying)
+    monkeypatch.setattr(dst.link, "reserve", reserving)
+    plan = StepPlan(
+        loads=[LoadPlan("r7", (HASHES[:1],), 0, (7, 5), is_async=False)],
+        saves=[SavePlan("r7", (HASHES[:2],), (7, 5, 9, 10))],
+    )
+    dst.bind(plan)
+    assert dst._reservation is None  # noqa: SLF001
+    dst.start_load(plan)
+    dst.wait_for_save(plan)
+    assert order == ["copy", "reserve"] and dst.take_load_errors() == set()
+    assert all(torch.equal(d[7], s[3]) for s, d in zip(src_layers, dst_layers))
+    wait_stored(server, 2)  # chunk 1 saved from blocks 9 and 10
+    saves_only = StepPlan(saves=[SavePlan("r8", (HASHES[2:3],), (11, 12))])
+    dst.bind(saves_only)
+    assert dst._reservation is not None  # noqa: SLF001
+    dst.wait_for_save(saves_only)
+    wait_stored(server, 3)
+    for w in (src, dst):
+        w.shutdown()

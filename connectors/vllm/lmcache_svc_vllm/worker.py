@@ -9,10 +9,12 @@ loads run in ``start_load_kv`` before the forward pass; async loads run on a loa
 and are reported through ``take_finished``. Chunks the server no longer has (evicted,
 restarted, unreachable) become failed blocks that vLLM recomputes (``take_load_errors``).
 
-Saves: the slot reservation (``prepare_store``) is requested when the step's plan arrives,
-so it overlaps the forward pass; after the forward, the completed chunks' pages are copied
-into the reserved slots and the commit is handed to a background thread. The step waits
-only for the copy (and for a reservation that is slower than the forward pass).
+Saves: the slot reservation (``prepare_store``) is requested when the step's plan arrives
+(after the step's loads have copied, when it has some: the call would compete with the
+copies for the interpreter), so it overlaps the forward pass; after the forward, the
+completed chunks' pages are copied into the reserved slots and the commit is handed to a
+background thread. The step waits only for the copy (and for a reservation that is slower
+than the forward pass).
 
 Copies go through a ``PageMover`` (``mover.py``): per layer, one gather or scatter per
 request. On CUDA they run on a dedicated stream with one event per layer: the forward pass
@@ -89,6 +91,7 @@ class WorkerSide:
             1, thread_name_prefix="lmcache-svc-load", initializer=off_compute_cores
         )
         self._reservation: Future[Reservation | None] | None = None
+        self._reserve_after_loads = False
         self._lock = threading.Lock()
         self._finished_loads: set[str] = set()
         self._load_errors: set[int] = set()
@@ -137,12 +140,19 @@ class WorkerSide:
     # -- per step ------------------------------------------------------------------------
 
     def bind(self, plan: StepPlan) -> None:
-        """A new step's plan: ask for the save slots now, to overlap the forward pass."""
-        hashes = _unique(h for s in plan.saves for h in s.hashes_for(self.tp_rank))
+        """A new step's plan: ask for the save slots now, to overlap the forward pass (after
+        the step's loads when it has some: the call would slow their copies)."""
         self._step_plan, self._step_saves = plan, None
         self._saved_layers, self._step_loads = set(), []
+        self._reservation = None
+        self._reserve_after_loads = any(not load.is_async for load in plan.loads)
+        if not self._reserve_after_loads:
+            self._reserve(plan)
+
+    def _reserve(self, plan: StepPlan) -> None:
+        self._reserve_after_loads = False
+        hashes = _unique(h for s in plan.saves for h in s.hashes_for(self.tp_rank))
         if self._pages is None or not hashes:
-            self._reservation = None
             return
         chunk_bytes = self.namespace.chunk_bytes
         self._reservation = self._io.submit(
@@ -155,6 +165,8 @@ class WorkerSide:
                 self._loader.submit(self.stats.cpu_timed, self._run_async_load, load)
             else:
                 self._record_failures(self._load(load, step=True))
+        if self._reserve_after_loads:
+            self._reserve(plan)  # held back by bind while the loads copied
 
     def wait_for_layer(self, layer_name: str) -> None:
         """Before the layer runs: its loaded pages must be in place (device-side wait)."""
@@ -178,6 +190,8 @@ class WorkerSide:
             logger.exception("lmcache-svc: saving layer %s failed", layer_name)
 
     def wait_for_save(self, plan: StepPlan) -> None:
+        if self._reserve_after_loads:  # no start_load this step (not expected)
+            self._reserve(plan)
         future, self._reservation = self._reservation, None
         if future is None:
             return
