@@ -31,6 +31,9 @@ from lmcache_svc.errors import ConfigError
 from lmcache_svc.server.events.settings import EventsSettings
 
 ENV_PREFIX = "LMCACHE_SVC_"
+OTHER_ENV_PREFIXES = (ENV_PREFIX + "VLLM_", ENV_PREFIX + "TEST_")
+"""Variables of the vLLM plugin (``LMCACHE_SVC_VLLM_TRACE``) and of the tests, not server
+settings: an environment shared with an engine must not stop the server."""
 _YAML_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 """libyaml's safe loader when PyYAML has it (4x faster: a 5,000-entry tokens file reads in
 0.7 s instead of 3), else the pure-Python one."""
@@ -474,6 +477,8 @@ def _env_overrides(env: Mapping[str, str]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for name, value in env.items():
         if name.startswith(ENV_PREFIX) and name != ENV_PREFIX + "CONFIG":
+            if name.startswith(OTHER_ENV_PREFIXES):
+                continue
             dotted = name[len(ENV_PREFIX) :].lower().replace("__", ".")
             out[dotted] = None if value.lower() in ("null", "none") else value
     return out

@@ -182,3 +182,12 @@ def test_nesting_at_the_limit_is_read(tmp_path: Path) -> None:
     with pytest.raises(ConfigError) as e:  # read, then refused for the unknown key x
         load_config(path=path)
     assert "nested" not in str(e.value)
+
+
+def test_the_plugin_s_and_the_tests_variables_are_not_server_settings() -> None:
+    """An environment shared with an engine (``LMCACHE_SVC_VLLM_TRACE``) starts the server;
+    another unknown ``LMCACHE_SVC_`` variable still stops it, by name."""
+    env = {"LMCACHE_SVC_VLLM_TRACE": "/tmp/t", "LMCACHE_SVC_TEST_KILL_FILE": "/tmp/k"}
+    assert load_config(env=env) == load_config(env={})
+    with pytest.raises(ConfigError, match="vllmx"):
+        load_config(env={"LMCACHE_SVC_VLLMX": "1"})

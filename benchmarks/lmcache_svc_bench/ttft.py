@@ -16,9 +16,10 @@ strategies). Each cell has several queries (different random tokens of the same 
 ``--set`` keys: ``model`` (tiny|medium), ``contexts`` / ``queries`` (comma-separated token
 counts), ``num_queries``, ``max_tokens``, ``chunk_size`` (configure (b)'s plugin with it;
 default: unset, so the plugin derives it from the block size), ``strategies`` (of
-a,b,b256,bl,c,d; b256 is (b) with ``chunk_size: 256``, the plugin's default before it was
+a,b,b256,bl,bp,c,d; b256 is (b) with ``chunk_size: 256``, the plugin's default before it was
 derived from the block size; bl is (b) with ``read_in_place: false``, every load under a
-lease, the plugin's default before loads were read in place), ``seed``.
+lease, the plugin's default before loads were read in place; bp is (b) with a store pool of
+64 slots, ``tuning.store_pool_chunks``: no reservation call in a step), ``seed``.
 """
 
 from __future__ import annotations
@@ -55,12 +56,15 @@ from lmcache_svc_bench.vllm_ttft import (
 from lmcache_svc_bench.vllm_ttft_breakdown import memcpy_gbps
 from lmcache_svc_bench.vllm_ttft_report import write_report
 
-STRATEGIES = ("a", "b", "b256", "bl", "c", "d")
+STRATEGIES = ("a", "b", "b256", "bl", "bp", "c", "d")
 QUICK_STRATEGIES = FULL = "a,b,c,d"
 EXPLICIT_CHUNKS = {"b256": 256}  # strategies that configure a chunk size of their own
 # Other settings of a (b) variant; each variant its own tenant, so it never hits what another
 # variant's engine stored (the queries, saved after their first token).
-PLUGIN_SETTINGS: dict[str, dict[str, object]] = {"bl": {"read_in_place": False, "tenant": "bl"}}
+PLUGIN_SETTINGS: dict[str, dict[str, object]] = {
+    "bl": {"read_in_place": False, "tenant": "bl"},
+    "bp": {"tuning": {"store_pool_chunks": 64}, "tenant": "bp"},
+}
 
 
 @dataclass(frozen=True)

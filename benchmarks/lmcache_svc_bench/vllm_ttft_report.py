@@ -30,6 +30,7 @@ LABELS = {
     "b": "(b) lmcache-svc",
     "b256": "(b256) lmcache-svc, 256-token chunks",
     "bl": "(bl) lmcache-svc, every load leased (read_in_place: false)",
+    "bp": "(bp) lmcache-svc, store pool of 64 slots",
     "c": "(c) vLLM prefix cache",
     "d": "(d) ExampleConnector",
 }
