@@ -514,16 +514,24 @@ class IndexReader:
         word, check = namespace_word(namespace_id), namespace_check_word(namespace_id)
         return [(fingerprint(word, h), check_word(check, h)) for h in chunk_hashes]
 
-    def lookup(self, namespace_id: bytes, chunk_hashes: Sequence[bytes]) -> IndexAnswer | None:
-        """Leading chunks of the namespace indexed; None when the table is closed or kept
-        changing under the reads (the caller asks the server)."""
+    def _read_chunks(
+        self, namespace_id: bytes, chunk_hashes: Sequence[bytes]
+    ) -> tuple[list[tuple[int, int]], int, int, list[int]] | None:
+        """The chunks' key words and one consistent read of them (``_read``); None when the
+        table is not to be read (stale, its server gone) or cannot be now."""
         if not self._usable():
             return None
         keys = self._keys(namespace_id, chunk_hashes)
         read = self._read(keys)
+        return None if read is None else (keys, *read)
+
+    def lookup(self, namespace_id: bytes, chunk_hashes: Sequence[bytes]) -> IndexAnswer | None:
+        """Leading chunks of the namespace indexed; None when the table is closed or kept
+        changing under the reads (the caller asks the server)."""
+        read = self._read_chunks(namespace_id, chunk_hashes)
         if read is None:
             return None
-        _, flags, found = read
+        keys, _, flags, found = read
         num = len(found)
         final = num == len(keys) or not flags & (FLAG_LOWER_TIERS | FLAG_INCOMPLETE)
         return IndexAnswer(num, final)
@@ -531,13 +539,10 @@ class IndexReader:
     def locate(self, namespace_id: bytes, chunk_hashes: Sequence[bytes]) -> Located | None:
         """Where every one of the chunks is in the arena, for a load without a lease; None
         unless all of them are indexed with a location (or the table cannot answer)."""
-        if not self._usable():
-            return None
-        keys = self._keys(namespace_id, chunk_hashes)
-        read = self._read(keys)
+        read = self._read_chunks(namespace_id, chunk_hashes)
         if read is None:
             return None
-        seq, _, locations = read
+        keys, seq, _, locations = read
         if len(locations) < len(keys) or not all(locations):
             return None
         return Located(seq, keys, locations)

@@ -8,7 +8,7 @@ import random
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import pytest
@@ -65,6 +65,28 @@ def _reader(seg: IndexSegment) -> IndexReader:
     reader = IndexReader.open(seg.name, seg.size, seg.nonce)
     assert reader is not None
     return reader
+
+
+def race(
+    seg: IndexSegment, write: Callable[[], None], read: Callable[[], None], stop: threading.Event
+) -> None:
+    """One writer thread (until ``stop``) against two reader threads (to their end),
+    switching threads as often as possible; the table is closed after."""
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        writer = threading.Thread(target=write)
+        readers = [threading.Thread(target=read) for _ in range(2)]
+        writer.start()
+        for t in readers:
+            t.start()
+        for t in readers:
+            t.join()
+        stop.set()
+        writer.join()
+    finally:
+        sys.setswitchinterval(old)
+        seg.close()
 
 
 def _hashes(num: int, rng: random.Random) -> list[bytes]:
@@ -228,21 +250,7 @@ def test_reader_racing_writer_never_reports_an_absent_key() -> None:
                 if answer.num_hit_chunks != len(stable):
                     errors.append(f"present keys missed: {answer}")
 
-    old = sys.getswitchinterval()
-    sys.setswitchinterval(1e-6)  # switch threads as often as possible
-    try:
-        writer = threading.Thread(target=write)
-        readers = [threading.Thread(target=read) for _ in range(2)]
-        writer.start()
-        for t in readers:
-            t.start()
-        for t in readers:
-            t.join()
-        stop.set()
-        writer.join()
-    finally:
-        sys.setswitchinterval(old)
-        seg.close()
+    race(seg, write, read, stop)
     assert not errors, errors[:3]
     assert answered[0] > 1000  # the seqlock rarely gives up
 
@@ -431,20 +439,6 @@ def test_readers_racing_the_writer_never_keep_a_moved_chunk() -> None:
                 if after != before:
                     errors.append(f"page {page} rewritten during a copy kept as good")
 
-    old = sys.getswitchinterval()
-    sys.setswitchinterval(1e-6)
-    try:
-        writer = threading.Thread(target=write)
-        readers = [threading.Thread(target=read) for _ in range(2)]
-        writer.start()
-        for t in readers:
-            t.start()
-        for t in readers:
-            t.join()
-        stop.set()
-        writer.join()
-    finally:
-        sys.setswitchinterval(old)
-        seg.close()
+    race(seg, write, read, stop)
     assert not errors, errors[:3]
     assert kept[0] > 100  # most copies are kept
