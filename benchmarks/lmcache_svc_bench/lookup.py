@@ -46,7 +46,8 @@ from lmcache_svc.client import CacheClient
 from lmcache_svc.client.transport import grpc_target
 from lmcache_svc.keys import KVLayout, Namespace, make_chunk_key
 from lmcache_svc.shm.arena import Arena
-from lmcache_svc.shm.lookup_index import MAX_LOAD, answer_locally, open_index_segments
+from lmcache_svc.shm.index_reader import answer_locally, open_index_segments
+from lmcache_svc.shm.lookup_index import MAX_LOAD
 from lmcache_svc.shm.slab import ALIGN
 from lmcache_svc.tiers.cpu import CpuTier
 from lmcache_svc.v1 import cache_pb2 as pb

@@ -13,7 +13,7 @@ namespaces and opens a new session on the next call that needs one. Needs only g
 protobuf and numpy (no server extras).
 
 With ``local_lookup``, ``lookup`` is answered from the server's shared-memory lookup index
-when it can be (``shm.lookup_index.answer_locally``), and counted for the server's metrics
+when it can be (``shm.index_reader.answer_locally``), and counted for the server's metrics
 (``lookup_reports.py``); ``read_in_place`` locates a load's chunks there too and reads them
 without a lease (``in_place.py``). The named-memory calls come from ``memories.py``.
 """
@@ -54,7 +54,7 @@ from lmcache_svc.client.transport import (
 from lmcache_svc.keys import Namespace, NamespaceId
 from lmcache_svc.results import LookupResult
 from lmcache_svc.shm.arena import ArenaMapping
-from lmcache_svc.shm.lookup_index import answer_locally
+from lmcache_svc.shm.index_reader import answer_locally
 from lmcache_svc.v1 import cache_pb2 as pb
 from lmcache_svc.wire import medium_from_pb, namespace_to_pb
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from lmcache_svc.client.session import Session
 from lmcache_svc.errors import InvalidArgument
 from lmcache_svc.keys import Namespace
-from lmcache_svc.shm.lookup_index import IndexReader, Located
+from lmcache_svc.shm.index_reader import IndexReader, Located
 
 
 @dataclass(frozen=True, slots=True)

@@ -9,7 +9,7 @@ from typing import Any
 import grpc
 
 from lmcache_svc.client.transport import convert_rpc_error, first_event, map_segment
-from lmcache_svc.shm.lookup_index import open_index_segments
+from lmcache_svc.shm.index_reader import open_index_segments
 from lmcache_svc.v1 import cache_pb2 as pb
 
 

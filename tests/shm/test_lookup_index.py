@@ -16,16 +16,14 @@ import pytest
 from lmcache_svc.errors import InvalidArgument
 from lmcache_svc.results import LookupResult
 from lmcache_svc.server.index_publisher import IndexSegment
+from lmcache_svc.shm.index_reader import IndexReader, answer_locally, open_index_segments
 from lmcache_svc.shm.lookup_index import (
     BEAT_S,
     INDEX_TRANSPORT,
     MEDIUM_OFFSET,
     STALE_S,
-    IndexReader,
-    answer_locally,
     key_fingerprint,
     location_word,
-    open_index_segments,
     unsupported_cpu_reason,
 )
 from lmcache_svc.v1 import cache_pb2 as pb

@@ -1,0 +1,286 @@
+"""The client's side of the shared-memory lookup index: ``IndexReader``, a read-only
+mapping of one tenant's table (the format, the writer and the ordering argument are in
+``shm.lookup_index``).
+
+``lookup`` answers how many leading chunks of a request the first tier holds;
+``locate`` and ``unchanged`` serve loads without a lease: where each chunk's bytes are in
+the arena, and afterwards whether each kept its entry while it was copied. Every read is a
+sequence-lock read (retried while the writer is mid-change); a table whose server is gone
+(its lock free), hung (its heartbeat stale) or stopped (marked closed) answers nothing.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import mmap
+import os
+import time
+import weakref
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from lmcache_svc.errors import InvalidArgument
+from lmcache_svc.results import LookupResult
+from lmcache_svc.shm.arena import SHM_DIR, check_segment_name
+from lmcache_svc.shm.lookup_index import (
+    FLAG_CLOSED,
+    FLAG_INCOMPLETE,
+    FLAG_LOWER_TIERS,
+    HEADER_BYTES,
+    INDEX_TRANSPORT,
+    MAGIC,
+    MAX_READ_TRIES,
+    SLOT_WORDS,
+    STALE_NS,
+    TENANT_MAX_BYTES,
+    TENANT_OFFSET,
+    TIER_MAX_BYTES,
+    TIER_OFFSET,
+    W_BEAT,
+    W_FLAGS,
+    W_MAGIC,
+    W_SEQ,
+    W_SLOTS,
+    check_word,
+    fingerprint,
+    get_medium,
+    get_text,
+    location_offset,
+    namespace_check_word,
+    namespace_word,
+    segment_bytes,
+    unsupported_cpu_reason,
+)
+from lmcache_svc.tiers.base import Medium
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class IndexAnswer:
+    """Leading chunks found; ``final`` False: a shorter answer than asked may be wrong."""
+
+    num_hit_chunks: int
+    final: bool
+
+
+@dataclass(frozen=True, slots=True)
+class Located:
+    """Where the leading chunks of a request are in the arena (``IndexReader.locate``):
+    their key words and location words, and the table's sequence counter when read."""
+
+    seq: int
+    keys: list[tuple[int, int]]
+    locations: list[int]
+
+    @property
+    def offsets(self) -> list[int]:
+        return [location_offset(w) for w in self.locations]
+
+
+class IndexReader:
+    """A client's read-only mapping of one tenant's table. Thread-safe (reads only)."""
+
+    def __init__(self, mm: mmap.mmap, fd: int, tenant: str, tier_name: str, medium: Medium) -> None:
+        self._mm = mm
+        self._fd: int | None = fd  # to ask whether the server still holds its lock
+        self._close_fd = weakref.finalize(self, os.close, fd)  # a dropped session's reader
+        self._words = memoryview(mm).cast("Q")
+        self.num_slots = self._words[W_SLOTS]
+        self._slots = self._words[HEADER_BYTES // 8 :]
+        self._mask = self.num_slots - 1
+        self.tenant = tenant
+        self.tier_name = tier_name
+        self.medium = medium
+
+    @classmethod
+    def open(cls, name: str, size: int, nonce: bytes) -> IndexReader | None:
+        """Map ``/dev/shm/<name>`` read-only; None when it is missing, of another size or
+        not the table whose nonce the session announced (e.g. a server on another host)."""
+        try:
+            path = os.path.join(SHM_DIR, check_segment_name(name))
+        except InvalidArgument:
+            return None
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError:
+            return None
+        try:
+            if size <= HEADER_BYTES or os.fstat(fd).st_size != size:
+                return None
+            mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ)
+        except OSError:
+            os.close(fd)
+            return None
+        buf = memoryview(mm)
+        words = buf.cast("Q")
+        ok = (
+            words[W_MAGIC] == MAGIC
+            and bytes(buf[8:24]) == bytes(nonce)
+            and segment_bytes(words[W_SLOTS]) == size
+            and words[W_SLOTS] & (words[W_SLOTS] - 1) == 0
+        )
+        tenant = get_text(buf, TENANT_OFFSET, TENANT_MAX_BYTES) if ok else None
+        tier = get_text(buf, TIER_OFFSET, TIER_MAX_BYTES) if ok else None
+        medium = get_medium(buf) if ok else None
+        words.release()
+        buf.release()
+        if tenant is None or tier is None or medium is None:
+            mm.close()
+            os.close(fd)
+            return None
+        return cls(mm, fd, tenant, tier, medium)
+
+    @property
+    def closed(self) -> bool:
+        return self._fd is None or bool(self._words[W_FLAGS] & FLAG_CLOSED)
+
+    def _server_alive(self) -> bool:
+        """Whether the server still holds the segment's lock (it does for its lifetime; a
+        killed server never marks its table closed). One failing ``flock`` call."""
+        fd = self._fd
+        if fd is None:
+            return False
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True  # the server's exclusive lock: alive
+        except OSError:
+            return False
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return False
+
+    def _usable(self) -> bool:
+        """The server is alive and stamps the table (a hung or killed one's is not read)."""
+        return time.monotonic_ns() - self._words[W_BEAT] <= STALE_NS and self._server_alive()
+
+    def _probe(self, fp: int, check: int) -> int | None:
+        """The table slot holding the key words (None: not there); a reader's probe, to be
+        made inside a sequence-lock read."""
+        slots, mask = self._slots, self._mask
+        i = fp & mask
+        for _probe in range(self.num_slots):
+            j = SLOT_WORDS * i
+            word = slots[j]
+            if word == 0:
+                return None
+            if word == fp and slots[j + 1] == check:
+                return j
+            i = (i + 1) & mask
+        return None
+
+    def _read(self, keys: list[tuple[int, int]]) -> tuple[int, int, list[int]] | None:
+        """One consistent read of the leading keys found: (sequence counter, flags, their
+        location words); None when the table is closed or kept changing under the reads."""
+        words, slots = self._words, self._slots
+        for _ in range(MAX_READ_TRIES):
+            seq = words[W_SEQ]
+            if seq & 1:
+                os.sched_yield()  # the writer is mid-change: let it finish
+                continue
+            flags = words[W_FLAGS]
+            if flags & FLAG_CLOSED:
+                return None
+            found: list[int] = []
+            for fp, check in keys:
+                j = self._probe(fp, check)
+                if j is None:
+                    break
+                found.append(slots[j + 2])
+            if words[W_SEQ] == seq:
+                return seq, flags, found
+        return None
+
+    @staticmethod
+    def _keys(namespace_id: bytes, chunk_hashes: Sequence[bytes]) -> list[tuple[int, int]]:
+        word, check = namespace_word(namespace_id), namespace_check_word(namespace_id)
+        return [(fingerprint(word, h), check_word(check, h)) for h in chunk_hashes]
+
+    def _read_chunks(
+        self, namespace_id: bytes, chunk_hashes: Sequence[bytes]
+    ) -> tuple[list[tuple[int, int]], int, int, list[int]] | None:
+        """The chunks' key words and one consistent read of them (``_read``); None when the
+        table is not to be read (stale, its server gone) or cannot be now."""
+        if not self._usable():
+            return None
+        keys = self._keys(namespace_id, chunk_hashes)
+        read = self._read(keys)
+        return None if read is None else (keys, *read)
+
+    def lookup(self, namespace_id: bytes, chunk_hashes: Sequence[bytes]) -> IndexAnswer | None:
+        """Leading chunks of the namespace indexed; None when the table is closed or kept
+        changing under the reads (the caller asks the server)."""
+        read = self._read_chunks(namespace_id, chunk_hashes)
+        if read is None:
+            return None
+        keys, _, flags, found = read
+        num = len(found)
+        final = num == len(keys) or not flags & (FLAG_LOWER_TIERS | FLAG_INCOMPLETE)
+        return IndexAnswer(num, final)
+
+    def locate(self, namespace_id: bytes, chunk_hashes: Sequence[bytes]) -> Located | None:
+        """Where every one of the chunks is in the arena, for a load without a lease; None
+        unless all of them are indexed with a location (or the table cannot answer)."""
+        read = self._read_chunks(namespace_id, chunk_hashes)
+        if read is None:
+            return None
+        keys, seq, _, locations = read
+        if len(locations) < len(keys) or not all(locations):
+            return None
+        return Located(seq, keys, locations)
+
+    def unchanged(self, located: Located) -> int:
+        """After copying located chunks: how many leading ones still have the entry they
+        were located by (their bytes were not freed or rewritten during the copy)."""
+        if self._words[W_SEQ] == located.seq:
+            return len(located.keys)  # the table did not change at all
+        read = self._read(located.keys)
+        if read is None:
+            return 0
+        num = 0
+        for now, then in zip(read[2], located.locations):
+            if now != then:
+                break
+            num += 1
+        return num
+
+    def close(self) -> None:
+        self._fd = None
+        self._close_fd()
+
+
+def open_index_segments(segments: Iterable[object]) -> dict[str, IndexReader]:
+    """The index segments of a session's first event that map here, by tenant; none on a
+    CPU the index's ordering argument does not hold for (``unsupported_cpu_reason``)."""
+    readers: dict[str, IndexReader] = {}
+    offered = [seg for seg in segments if getattr(seg, "transport", None) == INDEX_TRANSPORT]
+    reason = unsupported_cpu_reason() if offered else None
+    if reason is not None:
+        log.warning("lookup index not mapped (%s); lookups go to the server over gRPC", reason)
+        return readers
+    for seg in offered:
+        reader = IndexReader.open(seg.name, seg.size, seg.nonce)  # type: ignore[attr-defined]
+        if reader is not None:
+            readers[reader.tenant] = reader
+    return readers
+
+
+def answer_locally(
+    readers: dict[str, IndexReader],
+    tenant: str,
+    namespace_id: bytes,
+    chunk_hashes: Sequence[bytes],
+) -> LookupResult | None:
+    """``Lookup``'s answer (the leading chunks held, all in the first tier, with the tier's
+    name and medium from the table's header) from the tenant's table, or None when the table
+    cannot give it (none mapped, closed, busy, or a miss that may be a hit in a lower tier or
+    an overflowed table) or a hash is malformed (the server answers that with its error)."""
+    reader = readers.get(tenant)
+    if reader is None or any(len(h) != 32 for h in chunk_hashes):
+        return None
+    answer = reader.lookup(namespace_id, chunk_hashes)
+    if answer is None or not answer.final:
+        return None
+    num = answer.num_hit_chunks
+    return LookupResult(num, [reader.tier_name] * num, [reader.medium] * num)
