@@ -269,7 +269,19 @@ def test_auth_token_is_required_when_set(tmp_path: Path) -> None:
 
 
 def test_concurrent_clients_with_a_small_arena(tmp_path: Path) -> None:
-    server = start_server(tmp_path, "--cpu-bytes", "1MiB", "--prefault", "sync")
+    # Eviction under concurrent stores and loads. The clients are one tenant: with its
+    # reservation quota (75% of the arena) some of their stores would be refused when
+    # several reserve at once (ReservationLimit, the quota's behaviour, tested in
+    # tests/cache/test_quotas.py); here the tenant may reserve the whole arena (16 chunks),
+    # more than five clients' three chunks each.
+    server = start_server(
+        tmp_path,
+        "--cpu-bytes",
+        "1MiB",
+        "--prefault",
+        "sync",
+        env={"LMCACHE_SVC_CACHE__MAX_TENANT_RESERVED_FRACTION": "1"},
+    )
     capacity = 1 << 20
     failures: list[BaseException] = []
     peaks: list[int] = []
@@ -296,7 +308,7 @@ def test_concurrent_clients_with_a_small_arena(tmp_path: Path) -> None:
     stop = threading.Event()
     poller = threading.Thread(target=poll, args=(stop,))
     poller.start()
-    threads = [threading.Thread(target=worker, args=(i,)) for i in range(6)]
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(5)]
     try:
         for t in threads:
             t.start()
