@@ -350,11 +350,6 @@ class IndexTable:
     def contains(self, key: bytes) -> bool:
         return self._find(*key_words(key)) is not None
 
-    def location(self, key: bytes) -> int | None:
-        """The chunk's location word (0: none), None when it is not indexed."""
-        i = self._find(*key_words(key))
-        return None if i is None else self._slots[SLOT_WORDS * i + 2]
-
     def release(self) -> None:
         self._slots.release()
         self._words.release()
