@@ -182,13 +182,9 @@ class CacheClient(MemoryCalls):
     def lookup(
         self, namespace_id: bytes, chunk_hashes: Sequence[bytes], *, timeout_s: float | None = None
     ) -> LookupResult:
-        session = self._session
-        ns = self._namespaces.get(bytes(namespace_id))
-        if self._local_lookup and session is not None and session.alive and ns is not None:
-            local = answer_locally(session.indexes, ns.tenant, namespace_id, chunk_hashes)
-            if local is not None:
-                self._reports.count(namespace_id, len(chunk_hashes), local.num_hit_chunks)
-                return local
+        local = self.lookup_local(namespace_id, chunk_hashes)
+        if local is not None:
+            return local
         resp: pb.LookupResponse = self._ns_call(
             self._stub.Lookup,
             pb.LookupRequest(namespace_id=namespace_id, chunk_hashes=chunk_hashes),
@@ -196,6 +192,21 @@ class CacheClient(MemoryCalls):
         )
         media = [medium_from_pb(m) for m in resp.media]
         return LookupResult(resp.num_hit_chunks, list(resp.tiers), media)
+
+    def lookup_local(
+        self, namespace_id: bytes, chunk_hashes: Sequence[bytes]
+    ) -> LookupResult | None:
+        """``lookup``'s answer from the server's shared-memory lookup index, with no round
+        trip; None when this client has no index mapped (another host, ``local_lookup``
+        off, no session yet) or the index cannot tell (see ``answer_locally``)."""
+        session = self._session
+        ns = self._namespaces.get(bytes(namespace_id))
+        if not self._local_lookup or session is None or not session.alive or ns is None:
+            return None
+        local = answer_locally(session.indexes, ns.tenant, namespace_id, chunk_hashes)
+        if local is not None:
+            self._reports.count(namespace_id, len(chunk_hashes), local.num_hit_chunks)
+        return local
 
     def flush_lookup_reports(self) -> int:
         """Report the lookups answered from the index so far now, not at the next interval;

@@ -123,7 +123,7 @@ def test_a_lease_nobody_takes_is_released(server: ServerProc) -> None:
     try:
         schedule(scheduler, "gone", prompt)
         wait_until(lambda: active_leases(server) == 1, 10, "the lease started ahead")
-        scheduler.request_finished("gone")  # e.g. aborted before its step ran
+        assert not scheduler.request_finished("gone", 0, [])  # aborted before its step ran
         assert len(prefetches) == 0
         wait_until(lambda: active_leases(server) == 0, 10, "the untaken lease released")
 

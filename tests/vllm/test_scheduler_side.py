@@ -111,6 +111,63 @@ def test_load_plan_starts_after_vllms_own_hit(server: ServerProc) -> None:
     assert plan.chunk_hashes == (tuple(chunk_hashes(NAMESPACE, prompt)[1:2]),)
 
 
+def _step(
+    new: dict[str, int], cached: dict[str, tuple[int, int]], blocks: dict[str, list[int]]
+) -> SimpleNamespace:
+    """A scheduler output: ``new`` request -> tokens scheduled; ``cached`` request ->
+    (tokens computed before the step, tokens scheduled); ``blocks``: each request's blocks."""
+    return SimpleNamespace(
+        num_scheduled_tokens={**new, **{r: n for r, (_, n) in cached.items()}},
+        scheduled_new_reqs=[SimpleNamespace(req_id=r, num_computed_tokens=0) for r in new],
+        scheduled_cached_reqs=SimpleNamespace(
+            req_ids=list(cached), num_computed_tokens=[c for c, _ in cached.values()]
+        ),
+        kv_connector_block_state=SimpleNamespace(get_block_ids=lambda r: (blocks[r],)),
+    )
+
+
+def test_chunks_are_saved_the_step_after_they_were_computed(server: ServerProc) -> None:
+    """A chunk's save never runs in the step that computed it (the request's first token
+    would wait for it): the next step saves it, and a request that finished first is held."""
+    scheduler, _ = make_scheduler(server.socket)
+    prompt = tokens(5, 3 * CHUNK + 10)
+    req = request("late", prompt)
+    assert answer(scheduler, req) == (0, False)  # a miss: every chunk is computed here
+    hashes = tuple(chunk_hashes(NAMESPACE, prompt))
+    blocks = {"late": list(range(20, 27))}
+    # Step 1 computes chunks 0 and 1 (chunked prefill): nothing is saved yet.
+    assert scheduler.build_step_plan(_step({"late": 2 * CHUNK}, {}, blocks)).saves == []
+    # Step 2 computes the rest: it saves chunks 0 and 1, computed by step 1.
+    plan = scheduler.build_step_plan(_step({}, {"late": (2 * CHUNK, CHUNK + 10)}, blocks))
+    (save,) = plan.saves
+    assert save.chunk_hashes == (hashes[:2],) and save.block_ids == (20, 21, 22, 23)
+    assert plan.held == []
+    # It finishes after step 2: chunk 2 is still to save, so vLLM must keep its blocks.
+    assert scheduler.request_finished("late", len(prompt) + 1, blocks["late"])
+    plan = scheduler.build_step_plan(_step({}, {}, blocks))
+    (save,) = plan.saves
+    assert save.chunk_hashes == (hashes[2:3],) and save.block_ids == (24, 25)
+    assert plan.held == ["late"]
+    assert scheduler.build_step_plan(_step({}, {}, blocks)).is_empty()  # once
+
+
+def test_a_request_with_nothing_left_to_save_is_not_held(server: ServerProc) -> None:
+    scheduler, _ = make_scheduler(server.socket)
+    prompt = tokens(6, 2 * CHUNK + 10)
+    assert answer(scheduler, request("done", prompt)) == (0, False)
+    blocks = {"done": list(range(5))}
+    scheduler.build_step_plan(_step({"done": len(prompt)}, {}, blocks))
+    (save,) = scheduler.build_step_plan(_step({}, {"done": (len(prompt), 1)}, blocks)).saves
+    assert len(save.chunk_hashes[0]) == 2
+    assert not scheduler.request_finished("done", len(prompt) + 2, blocks["done"])
+    assert not scheduler.request_finished("unknown", 100, [])
+    # A save-less engine (kv_role kv_consumer) never holds blocks.
+    consumer, _ = make_scheduler(server.socket)
+    consumer.save_enabled = False
+    assert answer(consumer, request("c", prompt)) == (0, False)
+    assert not consumer.request_finished("c", len(prompt) + 1, blocks["done"])
+
+
 def test_hits_are_counted_by_the_medium_that_held_them(server: ServerProc) -> None:
     """vLLM's by-source counters get the server's answer (the tier's medium), not a name."""
     scheduler, _ = make_scheduler(server.socket)
@@ -185,7 +242,7 @@ def test_hung_server_costs_one_timeout_then_recovers(
             5,
             "a hit after the server resumed",
         )
-        assert len(server_lookups) > 1  # the back-off ended and the server was asked again
+        # (The hit is answered from the lookup index once it is fresh again, or by the server.)
     finally:
         os.kill(server.proc.pid, signal.SIGCONT)
         server.cleanup()
@@ -222,8 +279,28 @@ def test_a_lookup_that_raises_is_a_miss_not_an_exception_in_vllm(
     def broken(*args: object) -> None:
         raise RuntimeError("lookup broke")
 
+    def index_broken(*args: object) -> None:
+        raise RuntimeError("index broke")
+
+    # The index's answer on the scheduler's thread fails (logged): the server is asked on
+    # the lookup thread, and that call fails too: a miss.
+    monkeypatch.setattr(scheduler.link._client, "lookup_local", index_broken)
     monkeypatch.setattr(scheduler.link, "lookup", broken)
     assert answer(scheduler, request("broken", prompt)) == (0, False)
     data = stats.take()
     assert data is not None and data["lookup_failures"] == 1
+    assert "a lookup in the shared index failed" in caplog.text and "index broke" in caplog.text
     assert "a lookup failed" in caplog.text and "lookup broke" in caplog.text
+
+
+def test_a_lookup_the_index_answers_needs_no_thread(server: ServerProc) -> None:
+    """Same host: the scheduler's first call has the answer, from the shared lookup index;
+    the server is not asked and the lookup thread is not used."""
+    scheduler, _ = make_scheduler(server.socket)
+    prompt = tokens(41, 2 * CHUNK + 10)
+    store_prefix(server, prompt, 2)
+    wait_until(lambda: scheduler.link.lookup_local(chunk_hashes(NAMESPACE, prompt)), 5, "mapped")
+    calls: list[object] = []
+    scheduler.link.lookup = lambda hashes: calls.append(hashes)  # type: ignore[method-assign]
+    assert scheduler.get_num_new_matched_tokens(request("local", prompt), 0) == (2 * CHUNK, False)
+    assert calls == []

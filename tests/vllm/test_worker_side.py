@@ -7,12 +7,14 @@ heads, tokens, K+V] per layer); plans are the plugin's own metadata types.
 # ruff: noqa: E402  (imports after the torch check)
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 
 import pytest
 
 pytest.importorskip("torch", reason="the layout code needs torch (the [torch] extra)")
 import torch
+from lmcache_svc_vllm import worker as worker_module
 from lmcache_svc_vllm.config import ConnectorConfig
 from lmcache_svc_vllm.link import ServerLink
 from lmcache_svc_vllm.metadata import LoadPlan, SavePlan, StepPlan
@@ -99,6 +101,30 @@ def test_saved_chunks_load_into_other_blocks(server: ServerProc, use_shm: bool) 
     dst.shutdown()
 
 
+def test_a_held_request_is_reported_once_its_chunks_are_copied(server: ServerProc) -> None:
+    clear_server(server)
+    worker, layers = make_worker(server.socket, True, seed=3)
+    plan = StepPlan(saves=[SavePlan("r1", (HASHES[:2],), (3, 4, 9, 2))], held=["r1"])
+    saved = [layer[[3, 4, 9, 2]].clone() for layer in layers]
+    worker.bind(plan)
+    assert worker.take_saved() == set()  # not before the copy
+    worker.wait_for_save(plan)
+    assert worker.take_saved() == {"r1"}
+    assert worker.take_saved() == set()  # reported once
+    # The blocks may be reused now: overwriting them does not change what was stored.
+    for layer in layers:
+        layer[[3, 4, 9, 2]] = 0
+    wait_stored(server, 2)
+    dst, dst_layers = make_worker(server.socket, True, seed=4)
+    load = StepPlan(loads=[LoadPlan("r2", (HASHES[:2],), 0, (5, 6, 7, 8), is_async=False)])
+    dst.bind(load)
+    dst.start_load(load)
+    assert dst.take_load_errors() == set()
+    assert all(torch.equal(d[5:9], s) for d, s in zip(dst_layers, saved))
+    worker.shutdown()
+    dst.shutdown()
+
+
 def test_layerwise_saves_and_waits_round_trip(server: ServerProc) -> None:
     # CUDA's per-layer flow, run synchronously on the CPU: layer 0 is saved as soon as it
     # "ran" (the reservation is there), wait_for_save saves the other layers only
@@ -178,10 +204,13 @@ def test_a_dead_server_fails_loads_and_skips_saves(monkeypatch: pytest.MonkeyPat
     plan = StepPlan(
         loads=[LoadPlan("r1", (HASHES[:1],), 0, (1, 2), False)],
         saves=[SavePlan("r2", (HASHES[1:2],), (3, 4))],
+        held=["r2"],
     )
     worker.bind(plan)
     worker.start_load(plan)
     worker.wait_for_save(plan)
+    # The save was given up: vLLM may free the finished request's blocks all the same.
+    assert worker.take_saved() == {"r2"}
     assert len(attempts) == 1, "calls in the back-off tried the server"
     ((what, error),) = outages
     assert isinstance(error, ServerUnavailable) and "UNAVAILABLE" in str(error)  # refused
@@ -271,6 +300,10 @@ def test_loads_read_in_place_take_no_lease(
     for s, d in zip(src_layers, dst_layers):
         assert torch.equal(d[7], s[4]) and torch.equal(d[5], s[9]) and torch.equal(d[6], s[2])
     assert leases == []
+    # The server hears of the read at the next step, not during this one.
+    time.sleep(0.2)
+    assert touches == []
+    dst.bind(StepPlan())
     wait_until(lambda: touches, 5, "the server told what was read")
     assert [list(hashes) for _, hashes in touches] == [list(HASHES[:2])]
     data = dst.stats.take()
@@ -282,6 +315,26 @@ def test_loads_read_in_place_take_no_lease(
     off.start_load(load)
     assert off.take_load_errors() == set() and len(leases) == 1
     for w in (src, dst, off):
+        w.shutdown()
+
+
+def test_an_idle_engine_tells_the_server_what_it_read_in_place(
+    server: ServerProc, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No next step (the engine went idle after the request): told after the delay."""
+    clear_server(server)
+    src, _ = _saved(server, 14, HASHES[:1], (3, 4))
+    wait_stored(server, 1)
+    monkeypatch.setattr(worker_module, "TOUCH_DELAY_S", 0.05)
+    touches = count_calls(monkeypatch, CacheClient, "touch")
+    dst, _ = _ready_worker(server, 15)
+    load = StepPlan(loads=[LoadPlan("r6", (HASHES[:1],), 0, (7, 5), is_async=False)])
+    dst.bind(load)
+    dst.start_load(load)
+    assert dst.take_load_errors() == set()
+    wait_until(lambda: touches, 5, "the server told what was read")
+    assert [list(hashes) for _, hashes in touches] == [list(HASHES[:1])]
+    for w in (src, dst):
         w.shutdown()
 
 

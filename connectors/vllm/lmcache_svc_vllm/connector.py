@@ -190,7 +190,7 @@ class LMCacheSvcConnector(KVConnectorBase_V1):
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         if self._worker is None:
             return None, None
-        return None, self._worker.take_finished() or None
+        return self._worker.take_saved() or None, self._worker.take_finished() or None
 
     @timed
     def get_block_ids_with_load_errors(self) -> set[int]:
@@ -263,9 +263,12 @@ class LMCacheSvcConnector(KVConnectorBase_V1):
     def request_finished(
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
-        if self._scheduler is not None:
-            self._scheduler.request_finished(request.request_id)
-        return False, None
+        if self._scheduler is None:
+            return False, None
+        held = self._scheduler.request_finished(
+            request.request_id, request.num_computed_tokens, block_ids
+        )
+        return held, None
 
     def take_events(self) -> Iterable[KVCacheEvent]:
         """The sidecar's tiers in this engine's terms (events.py)."""

@@ -159,6 +159,18 @@ class ServerLink:
             "lookup", lambda ns: self._client.lookup(ns, hashes, timeout_s=timeout_s)
         )
 
+    def lookup_local(self, hashes: Sequence[bytes]) -> LookupResult | None:
+        """The lookup index's answer, on the calling thread and with no round trip; None
+        when it cannot be had that way (then ``lookup``)."""
+        ns_id = self._namespace_id
+        if ns_id is None or self.is_down:
+            return None
+        try:
+            return self._client.lookup_local(ns_id, hashes)
+        except Exception:  # never into vLLM's scheduler: ask the server instead
+            logger.exception("lmcache-svc: a lookup in the shared index failed")
+            return None
+
     # -- worker side: stores -------------------------------------------------------------
 
     def reserve(self, hashes: Sequence[bytes], chunk_bytes: int) -> Reservation | None:

@@ -32,7 +32,7 @@ class LoadPlan:
 
 @dataclass(frozen=True, slots=True)
 class SavePlan:
-    """Copy full chunks that this step completes from KV blocks to the server.
+    """Copy full chunks that earlier steps computed from KV blocks to the server.
 
     ``block_ids`` holds ``blocks_per_chunk`` source blocks per chunk, in token order.
     ``token_ids`` (the chunks' tokens, little-endian uint32) and ``parent_hashes`` (per
@@ -54,6 +54,9 @@ class SavePlan:
 class StepPlan:
     loads: list[LoadPlan] = field(default_factory=list)
     saves: list[SavePlan] = field(default_factory=list)
+    held: list[str] = field(default_factory=list)
+    """Finished requests whose blocks vLLM keeps for this step's saves: the worker reports
+    them done (``finished_sending``) once their chunks are copied out, or given up."""
 
     def is_empty(self) -> bool:
-        return not self.loads and not self.saves
+        return not self.loads and not self.saves and not self.held

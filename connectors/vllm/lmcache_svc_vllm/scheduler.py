@@ -3,14 +3,19 @@
 Per request: hash the prompt's full chunks (once, for every tensor-parallel rank), ask the
 server in one call how many leading chunks it holds, answer vLLM with the chunk-aligned
 hit beyond vLLM's own prefix cache (capped so at least one prompt token is computed), and
-turn vLLM's block allocation into a ``LoadPlan``. Each step, chunks that the step completes
-become a ``SavePlan``. Chunks the server already holds are not saved again.
+turn vLLM's block allocation into a ``LoadPlan``. Each step, the chunks that earlier steps
+completed become a ``SavePlan``: a chunk is saved one step after it was computed, so a
+request's first token never waits for its own save, and a request that finished first keeps
+its blocks until the worker has copied them. Chunks the server already holds are not saved
+again.
 
-Runs inside vLLM's scheduler loop, so nothing here may block for long or raise. Hashing
-and the lookup run on a small thread pool; the scheduler waits for the answer at most
-``tuning.lookup_wait_ms`` and otherwise tells vLLM "not decided yet" (``None``), which makes
-vLLM ask again on its next step while it keeps running the other requests. The lookup itself
-has a deadline (``lookup_timeout_ms``) after which it is a miss (``link.py``).
+Runs inside vLLM's scheduler loop, so nothing here may block for long or raise. The prompt
+is hashed on the scheduler's thread, and answered there when the server's shared lookup
+index can tell (same host); otherwise the server is asked on a small thread pool and the
+scheduler waits for the answer at most ``tuning.lookup_wait_ms`` and otherwise tells vLLM
+"not decided yet" (``None``), which makes vLLM ask again on its next step while it keeps
+running the other requests. The lookup itself has a deadline (``lookup_timeout_ms``) after
+which it is a miss (``link.py``).
 """
 
 from __future__ import annotations
@@ -91,6 +96,8 @@ class SchedulerSide:
         self._prefetches = prefetches
         self._requests: dict[str, RequestState] = {}
         self._loads: list[LoadPlan] = []
+        self._final_saves: list[SavePlan] = []  # of finished requests, for the next step
+        self._held: list[str] = []  # their ids: vLLM holds their blocks until they are saved
         self._num_running = 0
         # One thread, started now: a thread's first gRPC call can hold the GIL for tens of
         # milliseconds (measured), which would stall the scheduler thread meanwhile.
@@ -123,18 +130,33 @@ class SchedulerSide:
         return num_external, state.load_async
 
     def _start_lookup(self, request: Any) -> RequestState | None:
+        """Hash the prompt and answer from the server's lookup index right here when it
+        can tell (no round trip: cheaper than waiting for another thread); otherwise the
+        server is asked on the lookup thread."""
         token_ids = _cacheable_prompt(request)
         if token_ids is None:
             return None
         state = RequestState(len(token_ids), token_ids, started=time.monotonic())
-        if len(token_ids) >= self.chunk_size:
-            state.pending = self._lookups.submit(self.stats.cpu_timed, self._lookup, token_ids)
+        if len(token_ids) < self.chunk_size:
+            return state
+        hashes = self._hash(token_ids)
+        start = time.perf_counter()
+        local = self.link.lookup_local(hashes[0])
+        if local is not None:
+            trace.mark("lookup.answered")
+            self._apply(state, LookupAnswer(hashes, local, time.perf_counter() - start))
+        else:
+            state.pending = self._lookups.submit(self.stats.cpu_timed, self._lookup, hashes)
         return state
 
-    def _lookup(self, token_ids: list[int]) -> LookupAnswer:
-        """On a lookup thread: hash for every rank, ask the server about rank 0's chunks."""
+    def _hash(self, token_ids: list[int]) -> Hashes:
+        """The prompt's full chunks' hashes, for every tensor-parallel rank."""
         hashes = tuple(tuple(chunk_hashes(ns, token_ids)) for ns in self.namespaces)
         trace.mark("lookup.hashed")
+        return hashes
+
+    def _lookup(self, hashes: Hashes) -> LookupAnswer:
+        """On the lookup thread: ask the server about rank 0's chunks."""
         start = time.perf_counter()
         result = self.link.lookup(hashes[0])
         trace.mark("lookup.answered")
@@ -225,28 +247,37 @@ class SchedulerSide:
             trace.mark("load.prefetch")
 
     def build_step_plan(self, scheduler_output: Any) -> StepPlan:
-        plan = StepPlan(loads=self._loads)
-        self._loads = []
+        """This step's loads (planned as vLLM allocated their blocks) and saves: the full
+        chunks that earlier steps computed, so a chunk is saved one step after the step that
+        completed it (a request's first token never waits for its own save), and the chunks
+        of requests that finished meanwhile (their blocks held until the worker has copied
+        them: ``request_finished``)."""
+        plan = StepPlan(loads=self._loads, saves=self._final_saves, held=self._held)
+        self._loads, self._final_saves, self._held = [], [], []
         self._num_running = len(scheduler_output.num_scheduled_tokens)
-        for req_id, num_computed in _scheduled_requests(scheduler_output):
-            after = num_computed + scheduler_output.num_scheduled_tokens[req_id]
-            save = self._save_plan(req_id, after, scheduler_output)
+        for req_id, num_computed in _continuing_requests(scheduler_output):
+            state = self._requests.get(req_id)
+            if state is None:
+                continue
+            save = self._save_plan(
+                req_id, state, num_computed, _block_ids(scheduler_output, req_id)
+            )
             if save is not None:
                 plan.saves.append(save)
         return plan
 
     def _save_plan(
-        self, req_id: str, num_tokens_after: int, scheduler_output: Any
+        self, req_id: str, state: RequestState, num_computed: int, block_ids: Sequence[int] | None
     ) -> SavePlan | None:
-        state = self._requests.get(req_id)
-        if state is None or not self.save_enabled:
+        """The full prompt chunks among the first ``num_computed`` tokens (computed by steps
+        the worker has run before this one) that are not stored or being stored yet."""
+        if not self.save_enabled:
             return None
-        num_full = min(num_tokens_after, state.num_prompt_tokens) // self.chunk_size
+        num_full = min(num_computed, state.num_prompt_tokens) // self.chunk_size
         num_full = min(num_full, len(state.hashes[0]))  # no hashes if the lookup was lost
         start = state.num_saved_chunks
         if num_full <= start:
             return None
-        block_ids = _block_ids(scheduler_output, req_id)
         bpc = self.blocks_per_chunk
         if block_ids is None or len(block_ids) < num_full * bpc:
             return None
@@ -278,9 +309,22 @@ class SchedulerSide:
                     state.num_hit_chunks = min(state.num_hit_chunks, failed_chunk)
                     break
 
-    def request_finished(self, request_id: str) -> None:
-        self._requests.pop(request_id, None)
+    def request_finished(
+        self, request_id: str, num_computed_tokens: int, block_ids: Sequence[int]
+    ) -> bool:
+        """Forget the request; True when it has computed chunks not saved yet: they are
+        saved in the next step and vLLM keeps its blocks until the worker reports them
+        copied (``WorkerSide.take_saved``)."""
+        state = self._requests.pop(request_id, None)
         self._prefetches.discard(request_id)
+        if state is None:
+            return False
+        save = self._save_plan(request_id, state, num_computed_tokens, block_ids)
+        if save is None:
+            return False
+        self._final_saves.append(save)
+        self._held.append(request_id)
+        return True
 
     def _submit(self, fn: Any, /, *args: Any) -> Future[Any]:
         return self._lookups.submit(self.stats.cpu_timed, fn, *args)
@@ -299,12 +343,11 @@ def _cacheable_prompt(request: Any) -> list[int] | None:
     return list(request.prompt_token_ids)
 
 
-def _scheduled_requests(scheduler_output: Any) -> list[tuple[str, int]]:
-    """(request id, tokens computed before this step) for every scheduled request."""
-    scheduled = [(r.req_id, r.num_computed_tokens) for r in scheduler_output.scheduled_new_reqs]
+def _continuing_requests(scheduler_output: Any) -> list[tuple[str, int]]:
+    """(request id, tokens computed before this step) for every scheduled request that also
+    ran in an earlier step (a request's first step saves nothing: its first token first)."""
     cached = scheduler_output.scheduled_cached_reqs
-    scheduled += list(zip(cached.req_ids, cached.num_computed_tokens))
-    return scheduled
+    return list(zip(cached.req_ids, cached.num_computed_tokens))
 
 
 def _block_ids(scheduler_output: Any, req_id: str) -> list[int] | None:

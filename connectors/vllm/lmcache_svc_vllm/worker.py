@@ -4,17 +4,19 @@ Loads: lease the chunks (``prepare_load``), copy the leased bytes straight into 
 request's blocks, release (in the background). On the CPU, when the server's lookup index
 locates every chunk of a load in the mapped segment, they are copied with no lease and no
 round trip (``read_in_place``), then checked: if one changed during the copy, the load is
-done again under a lease; the server is told what was read afterwards (``touch``). Sync
+done again under a lease; the server is told what was read at the next step (``touch``). Sync
 loads run in ``start_load_kv`` before the forward pass; async loads run on a loader thread
 and are reported through ``take_finished``. Chunks the server no longer has (evicted,
 restarted, unreachable) become failed blocks that vLLM recomputes (``take_load_errors``).
 
-Saves: the slot reservation (``prepare_store``) is requested when the step's plan arrives
-(after the step's loads have copied, when it has some: the call would compete with the
-copies for the interpreter), so it overlaps the forward pass; after the forward, the
-completed chunks' pages are copied into the reserved slots and the commit is handed to a
+Saves: the scheduler plans a chunk's save for the step after the one that computed it
+(``scheduler.py``). The slot reservation (``prepare_store``) is requested when the step's
+plan arrives (after the step's loads have copied, when it has some: the call would compete
+with the copies for the interpreter), so it overlaps the forward pass; after the forward,
+the chunks' pages are copied into the reserved slots and the commit is handed to a
 background thread. The step waits only for the copy (and for a reservation that is slower
-than the forward pass).
+than the forward pass). Finished requests whose blocks vLLM held for a save are reported
+once the copy is done (``take_saved``).
 
 Copies go through a ``PageMover`` (``mover.py``): per layer, one gather or scatter per
 request. On CUDA they run on a dedicated stream with one event per layer: the forward pass
@@ -48,6 +50,8 @@ from lmcache_svc_vllm.stats import StatsRecorder
 from lmcache_svc_vllm.streams import copy_stream_for
 
 logger = logging.getLogger(f"vllm.{__name__}")
+TOUCH_DELAY_S = 1.0
+"""At most this long between a read in place and telling the server (``_touch_later``)."""
 
 
 class WorkerSide:
@@ -94,6 +98,12 @@ class WorkerSide:
         self._reserve_after_loads = False
         self._lock = threading.Lock()
         self._finished_loads: set[str] = set()
+        self._saved: set[str] = set()
+        self._touches: list[bytes] = []  # read in place, not told to the server yet
+        self._touch_since: float | None = None  # when the oldest of them was read
+        self._touch_due = threading.Event()
+        self._touch_stop = threading.Event()
+        self._closing = False
         self._load_errors: set[int] = set()
         self._prefetches = prefetches
 
@@ -124,6 +134,10 @@ class WorkerSide:
         is_cuda = pages.device.type == "cuda"
         self._layerwise = is_cuda if self._layerwise_choice is None else self._layerwise_choice
         self._in_place = self.link.config.read_in_place and pages.device.type == "cpu"
+        if self._in_place:
+            threading.Thread(
+                target=self._touch_when_idle, name="lmcache-svc-touch", daemon=True
+            ).start()
         if is_cuda:
             self._pinner = HostPinner(*cuda_host_registrar())
         self._in_background(self.link.warm_up)
@@ -142,6 +156,7 @@ class WorkerSide:
     def bind(self, plan: StepPlan) -> None:
         """A new step's plan: ask for the save slots now, to overlap the forward pass (after
         the step's loads when it has some: the call would slow their copies)."""
+        self._flush_touches()  # the previous step's reads: its first tokens are out now
         self._step_plan, self._step_saves = plan, None
         self._saved_layers, self._step_loads = set(), []
         self._reservation = None
@@ -190,6 +205,14 @@ class WorkerSide:
             logger.exception("lmcache-svc: saving layer %s failed", layer_name)
 
     def wait_for_save(self, plan: StepPlan) -> None:
+        try:
+            self._save(plan)
+        finally:  # copied or given up: vLLM may free the finished requests' blocks now
+            if plan.held:
+                with self._lock:
+                    self._saved.update(plan.held)
+
+    def _save(self, plan: StepPlan) -> None:
         if self._reserve_after_loads:  # no start_load this step (not expected)
             self._reserve(plan)
         future, self._reservation = self._reservation, None
@@ -244,12 +267,22 @@ class WorkerSide:
             done, self._finished_loads = self._finished_loads, set()
         return done
 
+    def take_saved(self) -> set[str]:
+        """Finished requests whose held blocks the worker no longer needs."""
+        with self._lock:
+            saved, self._saved = self._saved, set()
+        return saved
+
     def take_load_errors(self) -> set[int]:
         with self._lock:
             errors, self._load_errors = self._load_errors, set()
         return errors
 
     def shutdown(self) -> None:
+        self._closing = True
+        self._touch_stop.set()
+        self._touch_due.set()
+        self._flush_touches()
         if self._prefetches is not None:
             self._prefetches.detach(self.namespace.namespace_id)
         self._loader.shutdown(wait=True, cancel_futures=True)
@@ -337,9 +370,46 @@ class WorkerSide:
             self.stats.add(load_in_place_retries=1)
             return None  # its blocks are all written again (or recomputed)
         trace.mark("load.copied")
-        self._in_background(self.link.touch, hashes)
+        self._touch_later(hashes)
         self.stats.add(load_in_place_chunks=len(read.buffers))
         return len(read.buffers), num_blocks
+
+    def _touch_later(self, hashes: Sequence[bytes]) -> None:
+        """Tell the server about chunks read in place at the next step (or after
+        ``TOUCH_DELAY_S`` on an idle engine), not during this one: the call would compete
+        with this step's forward pass and its first token."""
+        with self._lock:
+            self._touches.extend(hashes)
+            first = self._touch_since is None
+            if first:
+                self._touch_since = time.monotonic()
+        if first:
+            self._touch_due.set()  # wakes the touch thread
+
+    def _touch_when_idle(self) -> None:
+        """Flushes touches no step flushed within ``TOUCH_DELAY_S``."""
+        while True:
+            self._touch_due.wait()
+            self._touch_due.clear()
+            while True:
+                with self._lock:
+                    since = self._touch_since
+                if since is None or self._closing:
+                    break
+                left = since + TOUCH_DELAY_S - time.monotonic()
+                if left <= 0:
+                    self._flush_touches()
+                    break
+                self._touch_stop.wait(left)
+            if self._closing:
+                return
+
+    def _flush_touches(self) -> None:
+        with self._lock:
+            hashes, self._touches = self._touches, []
+            self._touch_since = None
+        if hashes:
+            self._in_background(self.link.touch, _unique(hashes))
 
     def _load_leased(self, plan: LoadPlan, acquired: Acquired, step: bool) -> tuple[int, int]:
         """Copy a lease's chunks in and release it once they are copied (in the background);
