@@ -19,6 +19,11 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
         "time to first token on real vLLM: prompt only, lmcache-svc hit, vLLM prefix hit, "
         "ExampleConnector hit (MemOS matrix)",
     ),
+    "hitcost": (
+        "lmcache_svc_bench.hitcost",
+        "a hit's fixed cost in pairs: vLLM's own prefix hit, with a no-op connector, with "
+        "the plugin, and loaded from the server, the engines up at once and alternating",
+    ),
     "dataplane": (
         "lmcache_svc_bench.dataplane",
         "store/load through shared memory, inline gRPC and REST vs a torch copy; "

@@ -1,0 +1,223 @@
+"""``bench hitcost``: what a hit costs beyond vLLM's own prefix hit, measured in pairs.
+
+``bench ttft`` runs its engines one after another; on a small host the TTFT of the same
+request drifts by several milliseconds between runs, more than the fixed cost it is after.
+Here every engine is up at once and the requests alternate between them, one at a time, so
+each query's TTFTs on the different engines are taken within seconds of each other and
+compared as pairs:
+
+  c    vLLM's own prefix cache: the context run once in the engine, then each query hits it
+  cn   the same with a KV connector that does nothing (``vllm/noop_connector.py``): what
+       vLLM's connector machinery costs a hit, with no cache behind it
+  cp   the same with the plugin: the query hits vLLM's own cache, the plugin looks up and
+       saves alongside (what the plugin's presence costs a hit)
+  b    a fresh engine, vLLM's prefix cache off, the context loaded from the server (a hit)
+
+Between two requests the driver waits ``IDLE_S``: vLLM's shared-memory readers busy-loop for
+a second after each read (``SpinCondition`` in vLLM's ``shm_broadcast.py``), and an engine
+that just ran would take the CPU from the next one. So each request finds its engine idle,
+as a request to a quiet server does. Every engine runs with the plugin's time marks
+(``trace.py``); the phases of (cn), (cp) and (b) come from them.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from lmcache_svc_bench.procs import start_server
+from lmcache_svc_bench.report import Report
+from lmcache_svc_bench.runner import BenchContext
+from lmcache_svc_bench.stats import median, percentile
+from lmcache_svc_bench.ttft import Params, make_workload
+from lmcache_svc_bench.vllm.engines import EngineProc
+from lmcache_svc_bench.vllm_common import (
+    kv_bytes_per_token,
+    make_model,
+    require_vllm,
+    shape_named,
+    start_engine,
+    wait_for_commits,
+)
+from lmcache_svc_bench.vllm_ttft import Setup, plugin_config, write_contexts
+from lmcache_svc_bench.vllm_ttft_breakdown import memcpy_gbps
+
+IDLE_S = 1.3
+ENGINES = ("c", "cn", "cp", "b")
+NOOP_CONNECTOR = {
+    "kv_connector": "NoopConnector",
+    "kv_connector_module_path": "noop_connector",
+    "kv_role": "kv_both",
+}
+# Phases of one request from its marks: (name, first mark, second mark), each searched
+# after the previous phase's end.
+PHASES = (
+    ("scheduling", "", "get_num_new_matched_tokens>"),
+    ("lookup", "get_num_new_matched_tokens>", "build_connector_meta>"),
+    ("to the worker", "build_connector_meta>", "bind_connector_metadata>"),
+    ("load, to layer 1", "bind_connector_metadata>", "wait_for_layer_load>"),
+    ("forward", "wait_for_layer_load>", "wait_for_save>"),
+    ("output", "wait_for_save>", "ttft.first"),
+)
+
+
+@dataclass(frozen=True)
+class Sample:
+    ttft_ms: float
+    num_cached_tokens: int
+    marks: list[tuple[float, str]]
+
+
+def run(ctx: BenchContext) -> Report:
+    require_vllm()
+    quick = ctx.quick
+    p = Params(
+        model=ctx.option("model", "tiny"),
+        contexts=tuple(int(x) for x in str(ctx.option("contexts", _contexts(quick))).split(",")),
+        queries=(ctx.option("query", 167),),
+        num_queries=ctx.option("num_queries", 2 if quick else 11),
+        max_tokens=8,
+        chunk_size=None,
+        strategies=("a",),
+        seed=ctx.option("seed", 0),
+    )
+    p.check()
+    workload = make_workload(p)
+    model_dir = make_model(ctx.work_dir, p.model)
+    server = start_server(ctx.work_dir, "--cpu-bytes", "256MiB", "--prefault", "sync")
+    engines: dict[str, EngineProc] = {}
+    samples: dict[str, dict[int, list[Sample]]] = {name: {} for name in ENGINES}
+    try:
+        setup = Setup(model_dir, ctx.work_dir, server.socket, None, ctx.progress)
+        config = plugin_config(setup, None, tenant="b")
+        write_contexts(setup, workload, "b", config)
+        num_chunks = sum(len(c) // 128 for c in workload.contexts.values())
+        wait_for_commits(server.socket, num_chunks)
+        kv_configs = {"c": None, "cn": NOOP_CONNECTOR, "b": config}
+        kv_configs["cp"] = plugin_config(setup, None, tenant="cp")
+        for name in ENGINES:
+            ctx.progress(f"starting engine {name}")
+            engines[name] = start_engine(
+                f"hitcost-{name}",
+                model_dir,
+                ctx.work_dir,
+                kv_config=kv_configs[name],
+                prefix_caching=name != "b",
+                trace=ctx.work_dir / f"trace-hitcost-{name}.txt",
+            )
+        for name, engine in engines.items():
+            time.sleep(IDLE_S)
+            engine.ttft(workload.warmup, workload.max_tokens)
+            if name != "b":
+                for context in workload.contexts.values():
+                    engine.generate([context], 1)
+        for cell in workload.queries:
+            for i, prompt in enumerate(workload.prompts(cell)):
+                for name, engine in engines.items():
+                    time.sleep(IDLE_S)
+                    out = engine.ttft(prompt, workload.max_tokens)
+                    marks = [(float(ms), str(n)) for ms, n in out.get("marks", [])]
+                    sample = Sample(out["ttft_s"] * 1e3, int(out["num_cached_tokens"]), marks)
+                    samples[name].setdefault(cell[0], []).append(sample)
+                ctx.progress(f"  context {cell[0]}: query {i + 1} of {p.num_queries}")
+    finally:
+        for engine in engines.values():
+            engine.close()
+        server.cleanup()
+    report = ctx.report()
+    _write(report, samples, kv_bytes_per_token(shape_named(p.model)), memcpy_gbps())
+    report.data["params"] = {"contexts": p.contexts, "query": p.queries[0], "n": p.num_queries}
+    return report
+
+
+def _contexts(quick: bool) -> str:
+    return "583" if quick else "583,6064"
+
+
+def _write(
+    report: Report, samples: dict[str, dict[int, list[Sample]]], kv_per_token: int, gbps: float
+) -> None:
+    table = report.table(
+        "Median TTFT and paired differences (ms)",
+        ["context", "engine", "TTFT", "minus (c): median", "p25", "p75", "cached tokens"],
+    )
+    worst: tuple[float, int, float] | None = None
+    for context, base in samples["c"].items():
+        for name in ENGINES:
+            runs = samples[name][context]
+            diffs = _paired(runs, base)
+            cached = median([float(s.num_cached_tokens) for s in runs])
+            table.add(
+                context,
+                f"({name})",
+                median([s.ttft_ms for s in runs]),
+                median(diffs),
+                percentile(diffs, 25),
+                percentile(diffs, 75),
+                cached,
+            )
+            if name == "b":
+                copy_ms = cached * kv_per_token / (gbps * 1e9) * 1e3
+                excess = median(diffs) - copy_ms
+                if worst is None or excess > worst[0]:
+                    worst = (excess, context, copy_ms)
+    table.notes += [
+        "Each query ran on every engine in turn, the engine idle before it; 'minus (c)' is "
+        "the median (and quartiles) of the per-query differences to (c).",
+        "(c) prefix cache, no connector; (cn) + a no-op KV connector; (cp) + the plugin, "
+        "hitting vLLM's own cache; (b) fresh engine, prefix cache off, loaded from the server.",
+    ]
+    _phases(report, samples)
+    if worst is not None:
+        excess, context, copy_ms = worst
+        report.target(
+            f"(b) - (c), paired median, beyond the memcpy time of the loaded KV ({copy_ms:.2f} "
+            f"ms at {gbps:.1f} GB/s, same run), worst context ({context}), ms",
+            excess,
+            1.0,
+            lower_is_better=True,
+            why_missed="the phase table shows where the time goes",
+        )
+
+
+def _paired(runs: Sequence[Sample], base: Sequence[Sample]) -> list[float]:
+    return [a.ttft_ms - b.ttft_ms for a, b in zip(runs, base)]
+
+
+def _phases(report: Report, samples: dict[str, dict[int, list[Sample]]]) -> None:
+    table = report.table(
+        "Where each engine's time to first token goes (median ms)",
+        ["context", "engine", *(name for name, _, _ in PHASES), "TTFT"],
+    )
+    for name in ("cn", "cp", "b"):
+        for context, runs in samples[name].items():
+            rows = [r for r in (_phase_times(s) for s in runs) if r is not None]
+            if not rows:
+                continue
+            cols = [median([r[i] for r in rows]) for i in range(len(PHASES))]
+            table.add(context, f"({name})", *cols, median([s.ttft_ms for s in runs]))
+    table.notes += [
+        "From the time marks (trace.py; the no-op connector marks its hooks alike): "
+        "scheduling, add_request to the connector's first question; lookup, to the step's "
+        "plan; to the worker, the plan's trip to the worker process; load, the worker's "
+        "hooks up to layer 1 (vLLM's input preparation; (b)'s load); forward, the layers; "
+        "output, the rest (sampling, the trip back, the first token's delivery).",
+    ]
+
+
+def _phase_times(sample: Sample) -> list[float] | None:
+    at = 0.0
+    out = []
+    for _, first, second in PHASES:
+        start = at if not first else _mark(sample.marks, first, at)
+        end = _mark(sample.marks, second, start) if start is not None else None
+        if start is None or end is None:
+            return None
+        out.append(end - start)
+        at = end
+    return out
+
+
+def _mark(marks: Sequence[tuple[float, str]], name: str, after: float) -> float | None:
+    return next((ms for ms, n in marks if n == name and ms >= after), None)
