@@ -40,8 +40,13 @@ from lmcache_svc_bench.vllm_common import (
     start_engine,
     wait_for_commits,
 )
-from lmcache_svc_bench.vllm_ttft import Setup, plugin_config, write_contexts
-from lmcache_svc_bench.vllm_ttft_breakdown import memcpy_gbps
+from lmcache_svc_bench.vllm_ttft import (
+    PLUGIN_DEFAULT_CHUNK,
+    Setup,
+    plugin_config,
+    write_contexts,
+)
+from lmcache_svc_bench.vllm_ttft_breakdown import first_mark, memcpy_gbps
 
 IDLE_S = 1.3
 ENGINES = ("c", "cn", "cp", "b")
@@ -92,7 +97,7 @@ def run(ctx: BenchContext) -> Report:
         setup = Setup(model_dir, ctx.work_dir, server.socket, None, ctx.progress)
         config = plugin_config(setup, None, tenant="b")
         write_contexts(setup, workload, "b", config)
-        num_chunks = sum(len(c) // 128 for c in workload.contexts.values())
+        num_chunks = sum(len(c) // PLUGIN_DEFAULT_CHUNK for c in workload.contexts.values())
         wait_for_commits(server.socket, num_chunks)
         kv_configs = {"c": None, "cn": NOOP_CONNECTOR, "b": config}
         kv_configs["cp"] = plugin_config(setup, None, tenant="cp")
@@ -210,14 +215,10 @@ def _phase_times(sample: Sample) -> list[float] | None:
     at = 0.0
     out = []
     for _, first, second in PHASES:
-        start = at if not first else _mark(sample.marks, first, at)
-        end = _mark(sample.marks, second, start) if start is not None else None
+        start = at if not first else first_mark(sample.marks, first, at)
+        end = first_mark(sample.marks, second, start) if start is not None else None
         if start is None or end is None:
             return None
         out.append(end - start)
         at = end
     return out
-
-
-def _mark(marks: Sequence[tuple[float, str]], name: str, after: float) -> float | None:
-    return next((ms for ms, n in marks if n == name and ms >= after), None)

@@ -77,15 +77,16 @@ def hook_spans(marks: Marks) -> dict[str, list[tuple[float, float]]]:
     return spans
 
 
-def _first(marks: Marks, name: str, after: float = 0.0) -> float | None:
+def first_mark(marks: Marks, name: str, after: float = 0.0) -> float | None:
+    """The time of the first mark ``name`` at or after ``after`` (None: there is none)."""
     return next((ms for ms, n in marks if n == name and ms >= after), None)
 
 
 def _between(marks: Marks, span: tuple[float, float], first: str, second: str) -> float:
     """ms from ``first`` to ``second`` (or to the span's end) inside one hook span."""
     lo, hi = span
-    start = _first(marks, first, lo) if first else lo
-    end = _first(marks, second, start or lo) if second else hi
+    start = first_mark(marks, first, lo) if first else lo
+    end = first_mark(marks, second, start or lo) if second else hi
     if start is None or start > hi:
         return 0.0
     return (min(end, hi) if end is not None else hi) - start
@@ -114,8 +115,8 @@ def breakdown(sample: Sample) -> Breakdown:
     load_copy = sum(p[1] for p in parts)
     save_wait = sum(_between(marks, s, "", "save.reserved") for s in saves)
     save_copy = sum(_between(marks, s, "save.reserved", "save.copied") for s in saves)
-    asked = _first(marks, "get_num_new_matched_tokens>")
-    answered = _first(marks, "lookup.answered")
+    asked = first_mark(marks, "get_num_new_matched_tokens>")
+    answered = first_mark(marks, "lookup.answered")
     return Breakdown(
         ttft=sample.ttft_s * 1e3,
         steps=sum(1 for _, n in marks if n == "step>"),

@@ -102,8 +102,7 @@ class WorkerSide:
         self._touches: list[bytes] = []  # read in place, not told to the server yet
         self._touch_since: float | None = None  # when the oldest of them was read
         self._touch_due = threading.Event()
-        self._touch_stop = threading.Event()
-        self._closing = False
+        self._touch_stop = threading.Event()  # set at shutdown
         self._load_errors: set[int] = set()
         self._prefetches = prefetches
 
@@ -279,7 +278,6 @@ class WorkerSide:
         return errors
 
     def shutdown(self) -> None:
-        self._closing = True
         self._touch_stop.set()
         self._touch_due.set()
         self._flush_touches()
@@ -394,14 +392,14 @@ class WorkerSide:
             while True:
                 with self._lock:
                     since = self._touch_since
-                if since is None or self._closing:
+                if since is None or self._touch_stop.is_set():
                     break
                 left = since + TOUCH_DELAY_S - time.monotonic()
                 if left <= 0:
                     self._flush_touches()
                     break
                 self._touch_stop.wait(left)
-            if self._closing:
+            if self._touch_stop.is_set():
                 return
 
     def _flush_touches(self) -> None:
