@@ -20,6 +20,8 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import sys
+from array import array
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, NewType, cast
@@ -216,6 +218,10 @@ def _require_field_int(name: str, value: object, low: int) -> None:
 
 def pack_token_ids(token_ids: Sequence[int] | np.ndarray) -> bytes:
     """Canonical bytes of token ids: little-endian uint32, rejecting ids out of range."""
+    if isinstance(token_ids, list):  # what engines hand over: packed without numpy, ~4x faster
+        packed = _pack_list(token_ids)
+        if packed is not None:
+            return packed
     arr = np.asarray(token_ids)
     if arr.ndim != 1:
         raise InvalidArgument(f"token ids must be a flat sequence, got shape {arr.shape}")
@@ -226,6 +232,24 @@ def pack_token_ids(token_ids: Sequence[int] | np.ndarray) -> bytes:
     if int(arr.min()) < 0 or int(arr.max()) > _MAX_TOKEN_ID:
         raise InvalidArgument("token ids must be in [0, 2**32)")
     return arr.astype("<u4", copy=False).tobytes()
+
+
+_U32 = next((code for code in "IL" if array(code).itemsize == 4), None)
+"""The ``array`` type code of an unsigned 32-bit integer here (None: numpy packs)."""
+
+
+def _pack_list(token_ids: list[int]) -> bytes | None:
+    """A list of ints packed by ``array``, which refuses values out of uint32's range; None
+    for anything else (numpy then packs it, or names what is wrong)."""
+    if _U32 is None or (token_ids and type(token_ids[0]) is bool):
+        return None
+    try:
+        packed = array(_U32, token_ids)
+    except (OverflowError, TypeError):
+        return None
+    if sys.byteorder == "big":
+        packed.byteswap()
+    return packed.tobytes()
 
 
 def chunk_hash(parent: bytes, token_ids: Sequence[int] | np.ndarray) -> ChunkHash:
@@ -261,7 +285,7 @@ def chunk_hashes(
     chunks of exactly ``namespace.chunk_bytes``.
     """
     size = namespace.chunk_size
-    packed = pack_token_ids(token_ids)
+    packed = memoryview(pack_token_ids(token_ids))
     num_tokens = len(packed) // 4
     end = num_tokens if include_partial else num_tokens - num_tokens % size
     parent: bytes = namespace.namespace_id

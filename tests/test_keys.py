@@ -80,6 +80,9 @@ def test_same_tokens_same_keys_in_any_container() -> None:
     assert chunk_hashes(ns, tuple(tokens)) == expected
     assert chunk_hashes(ns, np.array(tokens, dtype=np.int64)) == expected
     assert chunk_hashes(ns, np.array(tokens, dtype=np.uint32)) == expected
+    assert chunk_hashes(ns, [np.int64(t) for t in tokens]) == expected  # numpy ints in a list
+    big = [2**32 - 1 - t for t in range(40)]  # lists pack without numpy: the same bytes
+    assert pack_token_ids(big) == np.array(big, dtype="<u4").tobytes()
 
 
 def test_keys_do_not_depend_on_python_hash_seed() -> None:
@@ -124,7 +127,9 @@ def test_prefix_property() -> None:
     assert a[:2] == b[:2] and a[2] != b[2]
 
 
-@pytest.mark.parametrize("tokens", [[-1], [2**32], [1.5], [[1, 2]]])
+@pytest.mark.parametrize(
+    "tokens", [[-1], [2**32], [1.5], [[1, 2]], [5, -1], [5, 2**40], [3, 2.0], [True, False]]
+)
 def test_bad_token_ids_are_rejected(tokens: list) -> None:
     with pytest.raises(InvalidArgument):
         chunk_hashes(golden_namespace(), tokens)
