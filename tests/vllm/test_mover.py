@@ -9,13 +9,16 @@ import sys
 import textwrap
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 pytest.importorskip("torch", reason="the layout code needs torch (the [torch] extra)")
+import random
+
 import torch
 from lmcache_svc_vllm.layout import KVPages, runs_of
-from lmcache_svc_vllm.mover import ChunkLoad, ChunkSave, PageMover
+from lmcache_svc_vllm.mover import ChunkLoad, ChunkSave, PageMover, _host_copies
 from lmcache_svc_vllm.streams import SyncStream, copy_stream_for
 
 from lmcache_svc.client import CacheClient
@@ -69,6 +72,129 @@ def test_save_then_load_restores_pages_in_other_blocks(gather: str) -> None:
             assert torch.equal(d[got], s[want])
         untouched = [b for b in range(SHAPE.num_blocks) if b not in (9, 6, 1, 10, 3, 0)]
         assert torch.equal(d[untouched], before[untouched])
+
+
+def _arena(pages: KVPages, num_slots: int, seed: int) -> memoryview:
+    """Chunk slots one after another, as in the server's arena, with random bytes."""
+    data = random.Random(seed).randbytes(num_slots * pages.geometry.chunk_bytes)
+    return memoryview(bytearray(data))
+
+
+def _slot(arena: memoryview, pages: KVPages, i: int) -> memoryview:
+    n = pages.geometry.chunk_bytes
+    return arena[i * n : (i + 1) * n].toreadonly()
+
+
+def _copies(loads: list[ChunkLoad], pages: KVPages) -> list[Any]:
+    places = [(c.src, c.first_block, c.block_ids) for c in loads]
+    return _host_copies(places, pages.geometry, writeable=False)
+
+
+def test_adjacent_whole_chunks_into_consecutive_blocks_are_one_copy() -> None:
+    pages, _ = make_pages(4)
+    arena = _arena(pages, 3, seed=4)
+    bpc = BLOCKS_PER_CHUNK
+    loads = [
+        ChunkLoad(_slot(arena, pages, i), 0, range(1 + i * bpc, 1 + (i + 1) * bpc))
+        for i in range(2)
+    ]
+    copies = _copies(loads, pages)
+    page = pages.geometry.page_bytes
+    assert [(c.chunks.shape, c.block, c.step) for c in copies] == [((2, 3, bpc, page), 1, 1)]
+    # Blocks counting down (vLLM hands freed blocks out in reverse): one copy too.
+    down = [
+        ChunkLoad(_slot(arena, pages, i), 0, range(10 - i * bpc, 10 - (i + 1) * bpc, -1))
+        for i in range(2)
+    ]
+    copies = _copies(down, pages)
+    assert [(c.chunks.shape, c.block, c.step) for c in copies] == [((2, 3, bpc, page), 10, -1)]
+    # Not adjacent in memory (slots 0 and 2), or not consecutive blocks: one copy each.
+    apart = [loads[0], ChunkLoad(_slot(arena, pages, 2), 0, range(5, 9))]
+    assert len(_copies(apart, pages)) == 2
+    gap = [loads[0], ChunkLoad(_slot(arena, pages, 1), 0, range(6, 10))]
+    assert len(_copies(gap, pages)) == 2
+    turn = [loads[0], ChunkLoad(_slot(arena, pages, 1), 0, range(8, 4, -1))]
+    assert len(_copies(turn, pages)) == 2
+    back = [  # the second chunk's first block is where a run down from the first would be
+        ChunkLoad(_slot(arena, pages, 0), 0, range(8, 12)),
+        ChunkLoad(_slot(arena, pages, 1), 0, range(4, 0, -1)),
+    ]
+    assert len(_copies(back, pages)) == 2
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_host_loads_match_the_page_by_page_reference(seed: int) -> None:
+    """Random loads (whole and partial chunks, adjacent slots or not, consecutive or
+    scattered blocks, buffers or tensors) land exactly where a page-by-page copy puts them."""
+    rng = random.Random(seed)
+    pages, _ = make_pages(10 + seed)
+    want = [layer.clone() for layer in pages.layers]
+    reference = KVPages(want, BLOCKS_PER_CHUNK)
+    arena = _arena(pages, 6, seed)
+    bpc, num_blocks = BLOCKS_PER_CHUNK, SHAPE.num_blocks
+    slot, block, step = rng.randrange(6), 0, 1
+    loads = []
+    for _ in range(rng.randint(1, 8)):  # later loads may overwrite earlier ones' blocks
+        kind = rng.random()
+        if kind < 0.6:  # a whole chunk into consecutive blocks (up or down), often the next
+            if rng.random() < 0.4 or not 0 <= block + step * (bpc - 1) < num_blocks:
+                step = rng.choice([1, -1])
+                block = rng.randint(0, num_blocks - bpc) + (0 if step > 0 else bpc - 1)
+            first, ids = 0, list(range(block, block + step * bpc, step))
+            block += step * bpc
+        else:  # part of a chunk into blocks anywhere, or consecutive ones
+            first = rng.randrange(bpc)
+            n = rng.randint(1, bpc - first)
+            ids = rng.sample(range(num_blocks), n)
+            if kind < 0.8:
+                ids = sorted(ids, reverse=rng.random() < 0.5)
+        buffer = _slot(arena, pages, slot)
+        src = pages.chunk_tensor(buffer) if rng.random() < 0.3 else buffer
+        loads.append(ChunkLoad(src, first, ids))
+        reference.copy_chunk_in(pages.chunk_tensor(buffer), first, ids)
+        slot = (slot + 1) % 6 if rng.random() < 0.6 else rng.randrange(6)
+    PageMover(pages, SyncStream(), gather="runs").load(loads).synchronize()
+    for got, expected in zip(pages.layers, want):
+        assert torch.equal(got, expected)
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_host_saves_match_the_page_by_page_reference(seed: int) -> None:
+    """Whole chunks saved from blocks counting up, down or scattered, into adjacent slots
+    or not, hold exactly what a page-by-page copy writes."""
+    rng = random.Random(seed)
+    pages, _ = make_pages(30 + seed)
+    bpc, n = BLOCKS_PER_CHUNK, pages.geometry.chunk_bytes
+    arena = memoryview(bytearray(6 * n))
+    want = bytearray(6 * n)
+    slots, saves = rng.sample(range(6), rng.randint(1, 6)), []
+    if rng.random() < 0.5:
+        slots.sort()
+    block, step = 0, 1
+    for slot in slots:
+        kind = rng.random()
+        if kind < 0.7:
+            if rng.random() < 0.4 or not 0 <= block + step * (bpc - 1) < SHAPE.num_blocks:
+                step = rng.choice([1, -1])
+                block = rng.randint(0, SHAPE.num_blocks - bpc) + (0 if step > 0 else bpc - 1)
+            ids = list(range(block, block + step * bpc, step))
+            block += step * bpc
+        else:
+            ids = rng.sample(range(SHAPE.num_blocks), bpc)
+        dst = arena[slot * n : (slot + 1) * n]
+        saves.append(ChunkSave(ids, pages.chunk_tensor(dst)))
+        pages.copy_chunk_out(ids, pages.chunk_tensor(memoryview(want)[slot * n : (slot + 1) * n]))
+    PageMover(pages, SyncStream(), gather="runs").save(saves).synchronize()
+    assert bytes(arena) == bytes(want)
+
+
+def test_a_chunk_buffer_of_the_wrong_size_is_refused() -> None:
+    pages, _ = make_pages(5)
+    short = memoryview(bytearray(pages.geometry.chunk_bytes - 1))
+    with pytest.raises(ValueError, match="expected"):
+        PageMover(pages, SyncStream()).load([ChunkLoad(short, 0, [0])])
+    with pytest.raises(ValueError, match="expected"):
+        PageMover(pages, SyncStream(), gather="index").load([ChunkLoad(short, 0, [0])])
 
 
 def test_a_layer_subset_saves_only_those_layers() -> None:

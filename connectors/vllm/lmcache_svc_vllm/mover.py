@@ -12,9 +12,13 @@
 A chunk whose blocks are one run of consecutive ids needs no scratch (its pages are one
 contiguous range of the layer): ``gather="runs"`` copies run by run instead, which is what
 the CPU uses (an extra memcpy through scratch costs more there than per-run calls). On the
-CPU those copies are numpy slice assignments over the same memory: a copy of one page costs
-a few microseconds, and torch's per-call overhead was most of it (a 2,688-token load of
-the tiny test model: 0.21 ms against 0.47-0.52 ms, memcpy of the same bytes 0.13 ms).
+CPU the copies are numpy assignments over the same memory (torch's per-call overhead was
+most of a page's copy time), as few as the chunks' places allow (``_host_copies``): whole
+chunks in consecutive slots of the arena paired with consecutive blocks -- counting up, or
+down as vLLM hands out freed blocks -- are one strided copy per layer, whatever their
+number. A 6,016-token load of the tiny test model (47 chunks, 4 layers) went from 188
+slice copies and 47 chunk tensors, 1.3 ms, to 4 copies, 0.66 ms: memcpy's time for the
+same bytes (an idle engine's first request; ``docs/benchmarks.md``).
 
 Every layer ends with an event: a load's forward pass waits (on the device) only for the
 layer it is about to run (``LayerEvents.wait_on_device``); a save's caller waits for the
@@ -30,8 +34,9 @@ from typing import Literal
 
 import numpy as np
 import torch
+from numpy.lib.stride_tricks import as_strided
 
-from lmcache_svc_vllm.layout import KVPages, runs_of
+from lmcache_svc_vllm.layout import ChunkGeometry, KVPages, runs_of
 from lmcache_svc_vllm.streams import CopyEvent, CopyStream, SyncStream
 
 Gather = Literal["runs", "index"]
@@ -48,9 +53,11 @@ class ChunkSave:
 
 @dataclass(frozen=True, slots=True)
 class ChunkLoad:
-    """Load blocks ``first_block ..`` of the chunk tensor ``src`` into ``block_ids``."""
+    """Load blocks ``first_block ..`` of the chunk ``src`` into ``block_ids``: a chunk
+    tensor, or the chunk's bytes (a shared segment's view), which the mover turns into
+    whatever its copies need."""
 
-    src: torch.Tensor
+    src: torch.Tensor | memoryview
     first_block: int
     block_ids: Sequence[int]
 
@@ -98,13 +105,13 @@ class PageMover:
 
     def _save_host(self, layers: Sequence[int], chunks: Sequence[ChunkSave]) -> list[CopyEvent]:
         assert self._host is not None
-        plans = [(c.dst.numpy(), runs_of(c.block_ids)) for c in chunks]
+        places = [(c.dst, 0, c.block_ids) for c in chunks]
+        copies = _host_copies(places, self.pages.geometry, writeable=True)
         events = []
         for layer in layers:
             kv = self._host[layer]
-            for dst, runs in plans:
-                for start, block, n in runs:
-                    dst[layer, start : start + n] = kv[block : block + n]
+            for copy in copies:
+                copy.out_of(kv, layer)
             events.append(self.stream.record())
         return events
 
@@ -132,41 +139,163 @@ class PageMover:
         self.stream.follow_current()  # blocks being overwritten are not read meanwhile
         if self._host is not None and self.gather == "runs":
             return LayerEvents(self._load_host(chunks))
+        srcs = [self._chunk_tensor(c.src) for c in chunks]
         with self.stream.activate():
-            return LayerEvents([self._load_layer(i, chunks) for i in range(len(self.pages.layers))])
+            return LayerEvents(
+                [self._load_layer(i, chunks, srcs) for i in range(len(self.pages.layers))]
+            )
 
     def _load_host(self, chunks: Sequence[ChunkLoad]) -> list[CopyEvent]:
         assert self._host is not None
-        plans = [(c.src.numpy(), c.first_block, runs_of(c.block_ids)) for c in chunks]
-        events = []
+        places = [(c.src, c.first_block, c.block_ids) for c in chunks]
+        copies = _host_copies(places, self.pages.geometry, writeable=False)
+        events: list[CopyEvent] = []
         for layer, kv in enumerate(self._host):
-            for src, first_block, runs in plans:
-                for start, block, n in runs:
-                    first = first_block + start
-                    kv[block : block + n] = src[layer, first : first + n]
+            for copy in copies:
+                copy.into(kv, layer)
             events.append(self.stream.record())
         return events
 
-    def _load_layer(self, layer: int, chunks: Sequence[ChunkLoad]) -> CopyEvent:
+    def _chunk_tensor(self, chunk: torch.Tensor | memoryview) -> torch.Tensor:
+        return chunk if isinstance(chunk, torch.Tensor) else self.pages.chunk_tensor(chunk)
+
+    def _load_layer(
+        self, layer: int, chunks: Sequence[ChunkLoad], srcs: Sequence[torch.Tensor]
+    ) -> CopyEvent:
         kv = self.pages.layers[layer]
         nb = self._non_blocking
         if self.gather == "runs" or all(_is_run(c.block_ids) for c in chunks):
-            for c in chunks:
+            for c, src in zip(chunks, srcs):
                 for start, block, n in runs_of(c.block_ids):
                     first = c.first_block + start
-                    kv[block : block + n].copy_(c.src[layer, first : first + n], non_blocking=nb)
+                    kv[block : block + n].copy_(src[layer, first : first + n], non_blocking=nb)
             return self.stream.record()
         ids = [b for c in chunks for b in c.block_ids]
         staged = torch.empty((len(ids), kv.shape[1]), dtype=torch.uint8, device=kv.device)
         offset = 0
-        for c in chunks:
+        for c, src in zip(chunks, srcs):
             n = len(c.block_ids)
             staged[offset : offset + n].copy_(
-                c.src[layer, c.first_block : c.first_block + n], non_blocking=nb
+                src[layer, c.first_block : c.first_block + n], non_blocking=nb
             )
             offset += n
         kv.index_copy_(0, torch.tensor(ids, dtype=torch.long, device=kv.device), staged)
         return self.stream.record()
+
+
+@dataclass(frozen=True, slots=True)
+class _HostCopy:
+    """Per layer, one numpy copy between ``chunks`` (``[n, layers, k, page]``: pages of
+    ``n`` chunks, ``k`` blocks of each) and ``n * k`` consecutive blocks, from ``block``
+    upwards (``step`` 1) or downwards (-1: vLLM hands freed blocks out in reverse order)."""
+
+    chunks: np.ndarray
+    block: int
+    step: int
+
+    def into(self, kv: np.ndarray, layer: int) -> None:
+        """Load: the chunks' pages of ``layer`` into the blocks."""
+        self._blocks(kv)[...] = self.chunks[:, layer]
+
+    def out_of(self, kv: np.ndarray, layer: int) -> None:
+        """Save: the blocks' pages into the chunks' pages of ``layer``."""
+        self.chunks[:, layer] = self._blocks(kv)
+
+    def _blocks(self, kv: np.ndarray) -> np.ndarray:
+        """``[n, k, page]`` over the blocks of one layer's ``kv`` (a view)."""
+        n, _, k, page = self.chunks.shape
+        if self.step > 0:
+            return kv[self.block : self.block + n * k].reshape(n, k, page)
+        low = self.block - n * k + 1
+        return kv[low : self.block + 1].reshape(n, k, page)[::-1, ::-1]
+
+
+@dataclass(slots=True)
+class _Adjacent:
+    """Whole chunks that lie one after another in memory (consecutive slots of the arena),
+    bound for consecutive blocks in one direction."""
+
+    first: np.ndarray  # the first chunk's bytes
+    address: int
+    block: int  # the first chunk's first block
+    step: int
+    count: int = 1
+
+    def continued_by(self, address: int, block: int, step: int, geometry: ChunkGeometry) -> bool:
+        return (
+            step == self.step
+            and address == self.address + self.count * geometry.chunk_bytes
+            and block == self.block + step * self.count * geometry.blocks_per_chunk
+        )
+
+    def copy(self, geometry: ChunkGeometry, writeable: bool) -> _HostCopy:
+        """One copy for all the chunks: a strided ``[count, layers, blocks, page]`` view."""
+        g = geometry
+        shape = (self.count, g.num_layers, g.blocks_per_chunk, g.page_bytes)
+        strides = (g.chunk_bytes, g.blocks_per_chunk * g.page_bytes, g.page_bytes, 1)
+        view = as_strided(self.first, shape, strides, writeable=writeable)
+        return _HostCopy(view, self.block, self.step)
+
+
+ChunkPlace = tuple[torch.Tensor | memoryview, int, Sequence[int]]
+"""A chunk's bytes, the first of its blocks copied, and the engine's blocks they go with."""
+
+
+def _host_copies(
+    places: Sequence[ChunkPlace], geometry: ChunkGeometry, *, writeable: bool
+) -> list[_HostCopy]:
+    """The host copies of a load or save, as few as the chunks' places allow: whole chunks
+    adjacent in memory and paired with consecutive blocks are copied together
+    (``_Adjacent``), a chunk paired with consecutive blocks in one copy, any other chunk
+    run by run. ``writeable``: the chunks are written (a save)."""
+    g = geometry
+    copies: list[_HostCopy] = []
+    adjacent: _Adjacent | None = None
+    for buffer, first, block_ids in places:
+        chunk = _host_bytes(buffer)
+        if chunk.size != g.chunk_bytes:
+            raise ValueError(f"chunk of {chunk.size} bytes, expected {g.chunk_bytes}")
+        ids = tuple(block_ids)
+        step = _direction(ids)
+        if step is not None and first == 0 and len(ids) == g.blocks_per_chunk:
+            address = chunk.__array_interface__["data"][0]
+            if adjacent is not None and adjacent.continued_by(address, ids[0], step, g):
+                adjacent.count += 1
+                continue
+            if adjacent is not None:
+                copies.append(adjacent.copy(g, writeable))
+            adjacent = _Adjacent(chunk, address, ids[0], step)
+            continue
+        if adjacent is not None:
+            copies.append(adjacent.copy(g, writeable))
+            adjacent = None
+        pages = chunk.reshape(1, g.num_layers, g.blocks_per_chunk, g.page_bytes)
+        if step is not None:
+            copies.append(_HostCopy(pages[:, :, first : first + len(ids)], ids[0], step))
+            continue
+        for start, block, n in runs_of(ids):
+            copies.append(_HostCopy(pages[:, :, first + start : first + start + n], block, 1))
+    if adjacent is not None:
+        copies.append(adjacent.copy(g, writeable))
+    return copies
+
+
+def _direction(ids: tuple[int, ...]) -> int | None:
+    """1 if the block ids count up one by one (or there is one), -1 if down, else None."""
+    if not ids:
+        return None
+    if ids == tuple(range(ids[0], ids[0] + len(ids))):
+        return 1
+    if ids == tuple(range(ids[0], ids[0] - len(ids), -1)):
+        return -1
+    return None
+
+
+def _host_bytes(src: torch.Tensor | memoryview) -> np.ndarray:
+    """A chunk's bytes as a flat uint8 array over the same memory (no copy)."""
+    if isinstance(src, torch.Tensor):
+        return src.numpy().reshape(-1)
+    return np.frombuffer(src, dtype=np.uint8)
 
 
 def _numpy_views(layers: Sequence[torch.Tensor]) -> list[np.ndarray] | None:

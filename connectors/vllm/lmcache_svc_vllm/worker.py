@@ -432,9 +432,8 @@ class WorkerSide:
     def _copy_in(self, plan: LoadPlan, buffers: Sequence[memoryview]) -> tuple[LayerEvents, int]:
         """Start copying chunk ``buffers`` into the plan's blocks; (events, blocks)."""
         assert self._pages is not None and self._mover is not None
-        pages = self._pages
         chunks = [
-            ChunkLoad(pages.chunk_tensor(buffer), first, block_ids)
+            ChunkLoad(buffer, first, block_ids)
             for (first, block_ids), buffer in zip(self._chunk_blocks(plan), buffers)
         ]
         return self._mover.load(chunks), sum(len(c.block_ids) for c in chunks)
