@@ -25,6 +25,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from lmcache_svc_bench.procs import start_server
 from lmcache_svc_bench.report import Report
@@ -133,6 +134,7 @@ def run(ctx: BenchContext) -> Report:
     report = ctx.report()
     _write(report, samples, kv_bytes_per_token(shape_named(p.model)), memcpy_gbps())
     report.data["params"] = {"contexts": p.contexts, "query": p.queries[0], "n": p.num_queries}
+    report.data["mark_timeline_ms"] = _mark_timelines(samples)
     return report
 
 
@@ -209,6 +211,26 @@ def _phases(report: Report, samples: dict[str, dict[int, list[Sample]]]) -> None
         "hooks up to layer 1 (vLLM's input preparation; (b)'s load); forward, the layers; "
         "output, the rest (sampling, the trip back, the first token's delivery).",
     ]
+
+
+def _mark_timelines(samples: dict[str, dict[int, list[Sample]]]) -> dict[str, Any]:
+    """Per engine and context, each mark's median time from the request's start (its first
+    occurrence per request), in time order: the finer view behind the phase table."""
+    out: dict[str, Any] = {}
+    for name, by_context in samples.items():
+        for context, runs in by_context.items():
+            times: dict[str, list[float]] = {}
+            for s in runs:
+                seen: set[str] = set()
+                for ms, mark in s.marks:
+                    if mark not in seen:
+                        seen.add(mark)
+                        times.setdefault(mark, []).append(ms)
+            medians = {mark: round(median(t), 3) for mark, t in times.items()}
+            out.setdefault(name, {})[str(context)] = dict(
+                sorted(medians.items(), key=lambda kv: kv[1])
+            )
+    return out
 
 
 def _phase_times(sample: Sample) -> list[float] | None:
