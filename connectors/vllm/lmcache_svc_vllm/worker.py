@@ -101,7 +101,6 @@ class WorkerSide:
         self._saved: set[str] = set()
         self._touches: list[bytes] = []  # read in place, not told to the server yet
         self._touch_since: float | None = None  # when the oldest of them was read
-        self._touch_due = threading.Event()
         self._touch_stop = threading.Event()  # set at shutdown
         self._load_errors: set[int] = set()
         self._prefetches = prefetches
@@ -279,7 +278,6 @@ class WorkerSide:
 
     def shutdown(self) -> None:
         self._touch_stop.set()
-        self._touch_due.set()
         self._flush_touches()
         if self._prefetches is not None:
             self._prefetches.detach(self.namespace.namespace_id)
@@ -373,34 +371,24 @@ class WorkerSide:
         return len(read.buffers), num_blocks
 
     def _touch_later(self, hashes: Sequence[bytes]) -> None:
-        """Tell the server about chunks read in place at the next step (or after
-        ``TOUCH_DELAY_S`` on an idle engine), not during this one: the call would compete
-        with this step's forward pass and its first token."""
+        """Tell the server about chunks read in place at the next step (or, on an idle
+        engine, within ``TOUCH_DELAY_S``), not during this one: the call would compete with
+        this step's forward pass and its first token. Nothing is woken here either (the
+        touch thread looks by itself): a wake-up cost the first token a system call and a
+        turn of the GIL."""
         with self._lock:
             self._touches.extend(hashes)
-            first = self._touch_since is None
-            if first:
+            if self._touch_since is None:
                 self._touch_since = time.monotonic()
-        if first:
-            self._touch_due.set()  # wakes the touch thread
 
     def _touch_when_idle(self) -> None:
-        """Flushes touches no step flushed within ``TOUCH_DELAY_S``."""
-        while True:
-            self._touch_due.wait()
-            self._touch_due.clear()
-            while True:
-                with self._lock:
-                    since = self._touch_since
-                if since is None or self._touch_stop.is_set():
-                    break
-                left = since + TOUCH_DELAY_S - time.monotonic()
-                if left <= 0:
-                    self._flush_touches()
-                    break
-                self._touch_stop.wait(left)
-            if self._touch_stop.is_set():
-                return
+        """Every half ``TOUCH_DELAY_S``, flushes the touches that no step flushed and that
+        are at least that old (so each is told within ``TOUCH_DELAY_S``)."""
+        while not self._touch_stop.wait(TOUCH_DELAY_S / 2):
+            with self._lock:
+                since = self._touch_since
+            if since is not None and time.monotonic() - since >= TOUCH_DELAY_S / 2:
+                self._flush_touches()
 
     def _flush_touches(self) -> None:
         with self._lock:
