@@ -52,7 +52,7 @@ from lmcache_svc.client.transport import (
     store_slots,
 )
 from lmcache_svc.keys import Namespace, NamespaceId
-from lmcache_svc.results import LookupResult
+from lmcache_svc.results import LookupResult, Placement
 from lmcache_svc.shm.arena import ArenaMapping
 from lmcache_svc.shm.index_reader import answer_locally
 from lmcache_svc.v1 import cache_pb2 as pb
@@ -321,15 +321,19 @@ class CacheClient(MemoryCalls):
         return load_lease(leased, self._mapping_for(session, leased.segment_name))
 
     def read_in_place(
-        self, namespace_id: bytes, chunk_hashes: Sequence[bytes]
+        self,
+        namespace_id: bytes,
+        chunk_hashes: Sequence[bytes],
+        placement: Placement | None = None,
     ) -> InPlaceRead | None:
         """Views of every chunk's bytes in the mapped arena, located through the lookup
-        index, with no round trip and no lease (``in_place.py``: copy, then check
-        ``unchanged()``, then ``touch``); None when they cannot all be located so."""
+        index (or where ``placement``, a local lookup's, says), with no round trip and no
+        lease (``in_place.py``: copy, then check ``unchanged()``, then ``touch``); None
+        when they cannot all be located so."""
         ns = self._namespaces.get(bytes(namespace_id))
         if ns is None or not self._use_shm:
             return None
-        return read_in_place(self._session, ns, chunk_hashes)
+        return read_in_place(self._session, ns, chunk_hashes, placement)
 
     def touch(self, namespace_id: bytes, chunk_hashes: Sequence[bytes]) -> int:
         """Tell the server about chunks read in place: they become its most recently used

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from lmcache_svc.client.session import Session
 from lmcache_svc.errors import InvalidArgument
 from lmcache_svc.keys import Namespace
+from lmcache_svc.results import Placement
 from lmcache_svc.shm.index_reader import IndexReader, Located
 
 
@@ -37,17 +38,27 @@ class InPlaceRead:
 
 
 def read_in_place(
-    session: Session | None, namespace: Namespace, chunk_hashes: Sequence[bytes]
+    session: Session | None,
+    namespace: Namespace,
+    chunk_hashes: Sequence[bytes],
+    placement: Placement | None = None,
 ) -> InPlaceRead | None:
     """Views of every chunk's bytes in the session's arena, or None when any of them is not
     located there now (not indexed, in a lower tier, no mapping or table here, the table
-    closed or busy, a location outside the mapping)."""
+    closed or busy, a location outside the mapping).
+
+    ``placement``: where a lookup found these chunks moments ago (``LookupResult``), maybe
+    in another process: used as it is when it is this session's table's, with no second
+    read of the table (``IndexReader.placed``); ``unchanged`` checks it after the copy."""
     if session is None or not session.alive or session.mapping is None or not chunk_hashes:
         return None
     reader = session.indexes.get(namespace.tenant)
     if reader is None or any(len(h) != 32 for h in chunk_hashes):
         return None
-    located = reader.locate(namespace.namespace_id, chunk_hashes)
+    ns_id = namespace.namespace_id
+    located = None if placement is None else reader.placed(ns_id, chunk_hashes, placement)
+    if located is None:
+        located = reader.locate(ns_id, chunk_hashes)
     if located is None:
         return None
     length = namespace.chunk_bytes

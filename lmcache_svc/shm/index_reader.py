@@ -22,7 +22,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from lmcache_svc.errors import InvalidArgument
-from lmcache_svc.results import LookupResult
+from lmcache_svc.results import LookupResult, Placement
 from lmcache_svc.shm.arena import SHM_DIR, check_segment_name
 from lmcache_svc.shm.lookup_index import (
     FLAG_CLOSED,
@@ -59,10 +59,12 @@ _TWO_WORDS = struct.Struct("<QQ")
 
 @dataclass(frozen=True, slots=True)
 class IndexAnswer:
-    """Leading chunks found; ``final`` False: a shorter answer than asked may be wrong."""
+    """Leading chunks found; ``final`` False: a shorter answer than asked may be wrong.
+    ``located``: where the found ones are (a location word of 0: not in the arena)."""
 
     num_hit_chunks: int
     final: bool
+    located: Located
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,8 +84,11 @@ class Located:
 class IndexReader:
     """A client's read-only mapping of one tenant's table. Thread-safe (reads only)."""
 
-    def __init__(self, mm: mmap.mmap, fd: int, tenant: str, tier_name: str, medium: Medium) -> None:
+    def __init__(
+        self, mm: mmap.mmap, fd: int, nonce: bytes, tenant: str, tier_name: str, medium: Medium
+    ) -> None:
         self._mm = mm
+        self.nonce = nonce  # which table this is (a restarted server's has another)
         self._fd: int | None = fd  # to ask whether the server still holds its lock
         self._close_fd = weakref.finalize(self, os.close, fd)  # a dropped session's reader
         self._words = memoryview(mm).cast("Q")
@@ -130,7 +135,7 @@ class IndexReader:
             mm.close()
             os.close(fd)
             return None
-        return cls(mm, fd, tenant, tier, medium)
+        return cls(mm, fd, bytes(nonce), tenant, tier, medium)
 
     @property
     def closed(self) -> bool:
@@ -192,6 +197,23 @@ class IndexReader:
                 return seq, flags, found
         return None
 
+    def placed(
+        self, namespace_id: bytes, chunk_hashes: Sequence[bytes], placement: Placement
+    ) -> Located | None:
+        """``locate``'s answer from a placement read earlier from this table (by a lookup,
+        maybe in another process), without reading the table or asking whether the server
+        is alive now (the read that made it did): ``unchanged`` after the copy tells whether
+        the chunks kept those places. None when the placement is another table's, of
+        other chunks' number, or names a chunk outside the arena."""
+        locations = placement.locations
+        if (
+            placement.nonce != self.nonce
+            or len(locations) != len(chunk_hashes)
+            or not all(locations)
+        ):
+            return None
+        return Located(placement.seq, self._keys(namespace_id, chunk_hashes), list(locations))
+
     @staticmethod
     def _keys(namespace_id: bytes, chunk_hashes: Sequence[bytes]) -> list[tuple[int, int]]:
         """Each chunk's (fingerprint, check word), as ``fingerprint`` and ``check_word``
@@ -218,10 +240,10 @@ class IndexReader:
         read = self._read_chunks(namespace_id, chunk_hashes)
         if read is None:
             return None
-        keys, _, flags, found = read
+        keys, seq, flags, found = read
         num = len(found)
         final = num == len(keys) or not flags & (FLAG_LOWER_TIERS | FLAG_INCOMPLETE)
-        return IndexAnswer(num, final)
+        return IndexAnswer(num, final, Located(seq, keys[:num], found))
 
     def locate(self, namespace_id: bytes, chunk_hashes: Sequence[bytes]) -> Located | None:
         """Where every one of the chunks is in the arena, for a load without a lease; None
@@ -286,5 +308,6 @@ def answer_locally(
     answer = reader.lookup(namespace_id, chunk_hashes)
     if answer is None or not answer.final:
         return None
-    num = answer.num_hit_chunks
-    return LookupResult(num, [reader.tier_name] * num, [reader.medium] * num)
+    num, located = answer.num_hit_chunks, answer.located
+    placement = Placement(reader.nonce, located.seq, tuple(located.locations))
+    return LookupResult(num, [reader.tier_name] * num, [reader.medium] * num, placement)

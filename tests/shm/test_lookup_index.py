@@ -14,7 +14,7 @@ from contextlib import contextmanager
 import pytest
 
 from lmcache_svc.errors import InvalidArgument
-from lmcache_svc.results import LookupResult
+from lmcache_svc.results import LookupResult, Placement
 from lmcache_svc.server.index_publisher import IndexSegment
 from lmcache_svc.shm.index_reader import IndexReader, answer_locally, open_index_segments
 from lmcache_svc.shm.lookup_index import (
@@ -342,6 +342,29 @@ def test_locate_gives_every_chunk_s_offset_or_nothing(seg: IndexSegment) -> None
     # Offsets that cannot be located: inside the header, not page-aligned.
     assert location_word(0, 1) == 0 and location_word(PAGE + 8, 1) == 0
     assert location_word(PAGE << 32, 1) == 0  # past 2^32 pages
+
+
+def test_a_lookup_s_placement_locates_without_reading_the_table_again(seg: IndexSegment) -> None:
+    reader = _reader(seg)
+    hs = _hashes(4, random.Random(22))
+    for i, h in enumerate(hs[:3]):
+        assert seg.table.insert(NS + h, PAGE * (20 + i))
+    result = answer_locally({"acme": reader}, "acme", NS, hs)
+    assert result is not None and result.num_hit_chunks == 3 and result.placement is not None
+    placement = result.placement
+    assert placement.nonce == seg.nonce and len(placement.locations) == 3
+    located = reader.placed(NS, hs[:3], placement)
+    assert located is not None and located.offsets == [PAGE * 20, PAGE * 21, PAGE * 22]
+    assert reader.unchanged(located) == 3
+    assert reader.placed(NS, hs[1:3], placement.part(1, 3)).offsets == [PAGE * 21, PAGE * 22]  # type: ignore[union-attr]
+    assert reader.placed(NS, hs[:2], placement) is None  # not these chunks' number
+    other = Placement(b"\1" * 16, placement.seq, placement.locations)
+    assert reader.placed(NS, hs[:3], other) is None  # another table's (a restarted server)
+    seg.table.insert(NS + hs[3])  # indexed, not in the arena: location word 0
+    unplaced = answer_locally({"acme": reader}, "acme", NS, hs).placement  # type: ignore[union-attr]
+    assert reader.placed(NS, hs, unplaced) is None  # type: ignore[arg-type]
+    assert seg.table.remove(NS + hs[1])  # after the lookup: the copy from there is not kept
+    assert reader.unchanged(located) == 1
 
 
 def test_unchanged_counts_entries_kept_through_a_copy(seg: IndexSegment) -> None:

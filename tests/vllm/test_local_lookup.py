@@ -9,6 +9,8 @@ the plugin). Without the index (a server with it off) the same answers come over
 # ruff: noqa: E402  (imports after the torch check)
 from __future__ import annotations
 
+import dataclasses
+import random
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -25,7 +27,9 @@ from lmcache_svc_vllm.worker import WorkerSide
 
 from lmcache_svc.client import CacheClient
 from lmcache_svc.keys import chunk_hashes
+from lmcache_svc.shm.index_reader import IndexReader
 from lmcache_svc_bench.procs import ServerProc, start_server
+from tests.helpers import count_calls, wait_until
 from tests.vllm.test_scheduler_side import (
     BLOCK,
     CHUNK,
@@ -85,6 +89,53 @@ def test_hit_from_the_index_then_a_chunk_evicted_before_the_load(
         scheduler.on_invalid_blocks(failed)
         state = scheduler._requests["r-index"]  # noqa: SLF001
         assert state.num_hit_chunks == 2 and state.num_saved_chunks == 2  # saved again later
+    finally:
+        worker.shutdown()
+        scheduler.shutdown()
+
+
+def test_the_worker_reads_where_the_scheduler_s_lookup_found_the_chunks(
+    server: ServerProc, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The lookup's placement travels in the load plan: the worker copies from there with
+    no second read of the index (the check after the copy still runs), and falls back to
+    reading the index for a placement of another table."""
+    prompt = tokens(34, 2 * CHUNK + 5)
+    hashes = chunk_hashes(NAMESPACE, prompt)[:2]
+    data = [random.Random(i).randbytes(NAMESPACE.chunk_bytes) for i in range(2)]
+    with CacheClient(server.socket) as client:
+        assert client.store(client.register_namespace(NAMESPACE), hashes, data) == 2
+    scheduler, _ = make_scheduler(server.socket)
+    worker = make_worker(server.socket)
+    try:
+        wait_until(lambda: worker.link.read_in_place(hashes), 5, "the worker's arena mapped")
+        worker.stats.take()
+        locates = count_calls(monkeypatch, IndexReader, "locate")
+        for i, other_table in enumerate([False, True]):
+            req = request(f"r-placed-{i}", prompt)
+            assert answer(scheduler, req) == (2 * CHUNK, False)
+            block_ids = [9, 8, 7, 6, 2, 3, 4, 5][: 2 * CHUNK // BLOCK]
+            scheduler.update_state_after_alloc(req, block_ids, 2 * CHUNK)
+            plan = scheduler.build_step_plan(_no_scheduled_requests())
+            placement = plan.loads[0].placement
+            assert placement is not None and len(placement.locations) == 2
+            if other_table:  # e.g. the server restarted between the lookup and the load
+                bad = dataclasses.replace(placement, nonce=bytes(16))
+                plan.loads[0] = dataclasses.replace(plan.loads[0], placement=bad)
+            for layer in worker._pages.layers:  # noqa: SLF001
+                layer.zero_()
+            worker.start_load(plan)
+            assert worker.take_load_errors() == set()
+            assert len(locates) == (1 if other_table else 0)
+            assert (worker.stats.take() or {}).get("load_in_place_chunks") == 2
+            per_chunk = CHUNK // BLOCK
+            for c, chunk in enumerate(data):
+                got = b"".join(
+                    bytes(layer[block].numpy())
+                    for layer in worker._pages.layers  # noqa: SLF001
+                    for block in block_ids[c * per_chunk : (c + 1) * per_chunk]
+                )
+                assert got == chunk
     finally:
         worker.shutdown()
         scheduler.shutdown()

@@ -29,6 +29,7 @@ from lmcache_svc.client.in_place import InPlaceRead
 from lmcache_svc.client.store_pool import PooledSlot, StorePool
 from lmcache_svc.errors import LMCacheSvcError, ServerUnavailable
 from lmcache_svc.keys import Namespace, NamespaceId
+from lmcache_svc.results import Placement
 from lmcache_svc_vllm.config import ConnectorConfig
 
 logger = logging.getLogger(f"vllm.{__name__}")
@@ -292,15 +293,18 @@ class ServerLink:
             return None
         return Acquired(list(lease.buffers), lease)
 
-    def read_in_place(self, hashes: Sequence[bytes]) -> InPlaceRead | None:
+    def read_in_place(
+        self, hashes: Sequence[bytes], placement: Placement | None = None
+    ) -> InPlaceRead | None:
         """Views of every chunk's bytes in the mapped segment, located through the server's
-        lookup index with no round trip and no lease; None when they cannot all be (then
-        ``acquire``). The caller checks ``unchanged()`` after its copies and ``touch``es."""
+        lookup index (or where the scheduler's lookup found them: ``placement``) with no
+        round trip and no lease; None when they cannot all be (then ``acquire``). The
+        caller checks ``unchanged()`` after its copies and ``touch``es."""
         ns_id = self._namespace_id
         if ns_id is None or not self._shm_mapped or self.is_down:
             return None
         try:
-            return self._client.read_in_place(ns_id, hashes)
+            return self._client.read_in_place(ns_id, hashes, placement)
         except Exception:  # never into vLLM: a lease is taken instead
             logger.exception("lmcache-svc: reading chunks in place failed")
             return None

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from lmcache_svc.results import Placement
+
 
 @dataclass(frozen=True, slots=True)
 class LoadPlan:
@@ -17,7 +19,9 @@ class LoadPlan:
     ``chunk_hashes[r]`` are tensor-parallel rank ``r``'s hashes of the chunks to read, in
     token order. The first chunk may be partly covered by vLLM's own prefix cache: only its
     blocks from ``first_block`` on are copied. ``block_ids`` are the destination blocks, one
-    per block of the loaded range, in token order.
+    per block of the loaded range, in token order. ``placement``: where rank 0's chunks
+    were in the server's arena when the scheduler's lookup read the shared index (the
+    worker reads them there without reading the index again), if it did.
     """
 
     req_id: str
@@ -25,6 +29,7 @@ class LoadPlan:
     first_block: int
     block_ids: tuple[int, ...]
     is_async: bool
+    placement: Placement | None = None
 
     def hashes_for(self, tp_rank: int) -> tuple[bytes, ...]:
         return self.chunk_hashes[tp_rank]

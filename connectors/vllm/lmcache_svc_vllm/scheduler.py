@@ -30,6 +30,7 @@ from typing import Any
 
 from lmcache_svc.client import LookupResult
 from lmcache_svc.keys import Namespace, chunk_hashes
+from lmcache_svc.results import Placement
 from lmcache_svc_vllm import trace
 from lmcache_svc_vllm.config import ConnectorConfig
 from lmcache_svc_vllm.link import ServerLink
@@ -62,6 +63,7 @@ class RequestState:
     hashes: Hashes = ((),)
     num_hit_chunks: int = 0  # leading chunks the server held at lookup (0 if unknown)
     media: list[str] = field(default_factory=list)  # where each hit chunk is (Tier.medium)
+    placement: Placement | None = None  # where in the arena (a lookup the index answered)
     num_saved_chunks: int = 0  # chunks [0, n) are stored or being stored
     load_start: int = 0  # first token of the pending load (vLLM's local hit)
     load_async: bool = False
@@ -196,6 +198,7 @@ class SchedulerSide:
             return
         state.num_hit_chunks = answer.result.num_hit_chunks
         state.media = list(answer.result.media)
+        state.placement = answer.result.placement
         state.num_saved_chunks = state.num_hit_chunks
         self.stats.add(lookup_hit_tokens=state.num_hit_chunks * chunk)
 
@@ -231,12 +234,14 @@ class SchedulerSide:
         start, end = state.load_start, state.load_start + num_external_tokens
         chunk, bs = self.chunk_size, self.block_size
         first_chunk, last_chunk = start // chunk, -(-end // chunk)
+        placement = state.placement
         plan = LoadPlan(
             req_id=request.request_id,
             chunk_hashes=tuple(h[first_chunk:last_chunk] for h in state.hashes),
             first_block=(start % chunk) // bs,
             block_ids=tuple(block_ids[start // bs : end // bs]),
             is_async=state.load_async,
+            placement=None if placement is None else placement.part(first_chunk, last_chunk),
         )
         state.loaded_block_ids = plan.block_ids
         state.loaded_first_chunk, state.loaded_first_block = first_chunk, plan.first_block

@@ -351,7 +351,8 @@ class WorkerSide:
         (not all of them located, or one changed while it was copied)."""
         if not self._in_place:
             return None
-        read = self.link.read_in_place(hashes)
+        placement = plan.placement if self.tp_rank == 0 else None  # rank 0's chunks
+        read = self.link.read_in_place(hashes, placement)
         trace.mark("load.located")
         if read is None:
             return None
