@@ -211,6 +211,20 @@ def _phases(report: Report, samples: dict[str, dict[int, list[Sample]]]) -> None
         "hooks up to layer 1 (vLLM's input preparation; (b)'s load); forward, the layers; "
         "output, the rest (sampling, the trip back, the first token's delivery).",
     ]
+    for context, runs in samples["b"].items():
+        copies = [c for c in (_copy_ms(s) for s in runs) if c is not None]
+        if copies:
+            table.notes.append(
+                f"(b) at {context}: the copy into the engine's blocks (load.located to "
+                f"load.copied) took {median(copies):.2f} ms (median): blocks and slots not "
+                "touched for a while, slower than the warm memcpy of the target's baseline."
+            )
+
+
+def _copy_ms(sample: Sample) -> float | None:
+    located = first_mark(sample.marks, "load.located")
+    copied = first_mark(sample.marks, "load.copied", located) if located is not None else None
+    return None if located is None or copied is None else copied - located
 
 
 def _mark_timelines(samples: dict[str, dict[int, list[Sample]]]) -> dict[str, Any]:
