@@ -44,8 +44,11 @@ def run_ours_like_peer(
     index_client: CacheClient | None = None,
 ) -> OursRun:
     """Per request: lookup (a miss), store, lookup (a hit, timed), load; then delete all.
-    ``index_client`` (``local_lookup=True``, session open): the hit is also looked up, and
-    timed, in the server's shared-memory index, as the plugin's scheduler does."""
+    ``index_client`` (``local_lookup=True``): the hit is also looked up, and timed, in the
+    server's shared-memory index, as the plugin's scheduler does (``lookup_local``; a
+    lookup the index could not answer is not timed: no index figure when none was).
+    Until 2026-11-26 that lookup went through ``lookup``, on a client that never opened a
+    session: it timed a second gRPC round trip, not the index."""
     call_bytes = peer.call_bytes(num_tokens)
     w = Workload(peer.CHUNK_BYTES, call_bytes * num_calls, call_bytes)
     bufs = Buffers(Workload(peer.CHUNK_BYTES, call_bytes, call_bytes))  # one request's pages
@@ -58,6 +61,7 @@ def run_ours_like_peer(
     index_s: list[float] = []
     if index_client is not None:
         index_client.register_namespace(namespace_for(peer.CHUNK_BYTES))
+        index_client.wait_shm_ready()  # the session (and its lookup index) open now
     verified = True
     try:
         for hashes in requests:
@@ -72,12 +76,15 @@ def run_ours_like_peer(
             empty_s.append(time.perf_counter() - start)
             if hit != len(hashes):
                 raise RuntimeError(f"lookup right after a store hit {hit} of {len(hashes)}")
-            if index_client is not None:
+            if index_client is not None:  # timed only when the index answered
                 start = time.perf_counter()
-                hit = index_client.lookup(ns_id, hashes).num_hit_chunks
-                index_s.append(time.perf_counter() - start)
-                if hit != len(hashes):
-                    raise RuntimeError(f"index lookup after a store hit {hit}/{len(hashes)}")
+                local = index_client.lookup_local(ns_id, hashes)
+                elapsed = time.perf_counter() - start
+                if local is not None:
+                    index_s.append(elapsed)
+                    if local.num_hit_chunks != len(hashes):
+                        hit = local.num_hit_chunks
+                        raise RuntimeError(f"index lookup after a store hit {hit}/{len(hashes)}")
             bufs.clear_dst()
             load_s.append(time_shm_load(client, ns_id, [hashes], bufs))
             verified = verified and bufs.verified()
