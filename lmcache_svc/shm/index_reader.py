@@ -201,15 +201,17 @@ class IndexReader:
         self, namespace_id: bytes, chunk_hashes: Sequence[bytes], placement: Placement
     ) -> Located | None:
         """``locate``'s answer from a placement read earlier from this table (by a lookup,
-        maybe in another process), without reading the table or asking whether the server
-        is alive now (the read that made it did): ``unchanged`` after the copy tells whether
-        the chunks kept those places. None when the placement is another table's, of
-        other chunks' number, or names a chunk outside the arena."""
+        maybe in another process), without reading the table's entries: ``unchanged``
+        after the copy tells whether the chunks kept those places. None when the placement
+        is another table's, of other chunks' number, or names a chunk outside the arena,
+        or when the table is not to be read now (its server gone, hung or stopped: as
+        ``locate``, so a load from a server killed since the lookup is not read in place)."""
         locations = placement.locations
         if (
             placement.nonce != self.nonce
             or len(locations) != len(chunk_hashes)
             or not all(locations)
+            or not self._usable()
         ):
             return None
         return Located(placement.seq, self._keys(namespace_id, chunk_hashes), list(locations))

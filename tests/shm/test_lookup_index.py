@@ -258,10 +258,12 @@ def test_a_killed_server_s_table_answers_nothing() -> None:
     seg = IndexSegment("acme", "cpu", "host_memory", 64)
     reader = _reader(seg)
     h = random.Random(6).randbytes(32)
-    seg.table.insert(NS + h)
+    seg.table.insert(NS + h, PAGE * 3)
     seg.table.beat()
     answer = reader.lookup(NS, [h])
     assert answer is not None and answer.num_hit_chunks == 1
+    placement = answer_locally({"acme": reader}, "acme", NS, [h]).placement  # type: ignore[union-attr]
+    assert placement is not None and reader.placed(NS, [h], placement) is not None
     # What the kernel does for a killed process: every descriptor closed (the mapping
     # holds a duplicate of the locked one), nothing marked, nothing unlinked.
     seg.table.release()
@@ -271,6 +273,7 @@ def test_a_killed_server_s_table_answers_nothing() -> None:
     seg._fd = -1  # noqa: SLF001
     try:
         assert reader.lookup(NS, [h]) is None
+        assert reader.placed(NS, [h], placement) is None  # a lookup's placement from before
     finally:
         os.unlink(f"/dev/shm/{seg.name}")
 
