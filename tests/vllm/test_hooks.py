@@ -173,3 +173,14 @@ def test_a_trace_file_that_cannot_be_opened_leaves_tracing_off(tmp_path) -> None
         assert done.returncode == 0, done.stderr
         assert "cannot be opened" in done.stderr and str(bad) in done.stderr
     assert list(tmp_path.iterdir()) == []
+
+
+def test_reading_marks_skips_a_line_still_being_written(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Engine processes append marks while the driver reads them: a last line without its
+    newline (or a torn fragment) is skipped, not a crash of the read."""
+    from lmcache_svc_vllm.trace import read_marks
+
+    path = tmp_path / "trace.txt"
+    path.write_text("300 7 b<\n100 7 a>\n12345\n200 7 a<\n400 8 load.cop")
+    assert read_marks(str(path), 100, 300) == [(100, "a>"), (200, "a<"), (300, "b<")]
+    assert read_marks(str(path), 250, 1000) == [(300, "b<")]

@@ -56,12 +56,15 @@ enabled = mark is not _off
 
 
 def read_marks(path: str, start_ns: int, end_ns: int) -> list[tuple[int, str]]:
-    """(ns, name) of the marks in ``[start_ns, end_ns]``, in time order."""
+    """(ns, name) of the marks in ``[start_ns, end_ns]``, in time order. Other processes
+    may be writing meanwhile: a last line not ended yet is left for the next read."""
     out: list[tuple[int, str]] = []
     with open(path) as f:
         for line in f:
-            ns_text, _, name = line.rstrip("\n").split(" ", 2)
-            ns = int(ns_text)
+            parts = line.split(" ", 2)
+            if not line.endswith("\n") or len(parts) != 3 or not parts[0].isdigit():
+                continue
+            ns, name = int(parts[0]), parts[2].rstrip("\n")
             if start_ns <= ns <= end_ns:
                 out.append((ns, name))
     out.sort()
