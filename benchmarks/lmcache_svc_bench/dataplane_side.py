@@ -46,9 +46,7 @@ def run_ours_like_peer(
     """Per request: lookup (a miss), store, lookup (a hit, timed), load; then delete all.
     ``index_client`` (``local_lookup=True``): the hit is also looked up, and timed, in the
     server's shared-memory index, as the plugin's scheduler does (``lookup_local``; a
-    lookup the index could not answer is not timed: no index figure when none was).
-    Until 2026-11-26 that lookup went through ``lookup``, on a client that never opened a
-    session: it timed a second gRPC round trip, not the index."""
+    lookup the index could not answer is not timed: no index figure when none was)."""
     call_bytes = peer.call_bytes(num_tokens)
     w = Workload(peer.CHUNK_BYTES, call_bytes * num_calls, call_bytes)
     bufs = Buffers(Workload(peer.CHUNK_BYTES, call_bytes, call_bytes))  # one request's pages

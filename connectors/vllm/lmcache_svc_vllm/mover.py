@@ -16,9 +16,10 @@ CPU the copies are numpy assignments over the same memory (torch's per-call over
 most of a page's copy time), as few as the chunks' places allow (``_host_copies``): whole
 chunks in consecutive slots of the arena paired with consecutive blocks -- counting up, or
 down as vLLM hands out freed blocks -- are one strided copy per layer, whatever their
-number. A 6,016-token load of the tiny test model (47 chunks, 4 layers) went from 188
-slice copies and 47 chunk tensors, 1.3 ms, to 4 copies, 0.66 ms: memcpy's time for the
-same bytes (an idle engine's first request; ``docs/benchmarks.md``).
+number. A 6,016-token load of the tiny test model (47 chunks, 4 layers) is 4 copies, was
+188 slice copies and 47 chunk tensors: 1.3 -> 0.66 ms in a micro-measurement with a small
+destination, memcpy's time; inside an engine, whose blocks were last touched long ago,
+the memory sets the pace either way (about half a warm memcpy's: ``docs/benchmarks.md``).
 
 Every layer ends with an event: a load's forward pass waits (on the device) only for the
 layer it is about to run (``LayerEvents.wait_on_device``); a save's caller waits for the
