@@ -244,11 +244,99 @@ def _bench_hbm(pages: KVPages, ids: list[list[int]], repeats: int) -> None:
     tier.close()
 
 
+def bench_registration(gib: float) -> None:
+    """Page-locking an arena of ``gib``: the time to the first registered part (copies are
+    pinned from then on for that part), to all of them, and to unregister them."""
+    arena = Arena.create(int(gib * (1 << 30)), slab_bytes=64 << 20, prefault="sync")
+    try:
+        slot = arena.allocate(64 << 20)
+        assert slot is not None
+        pinner = HostPinner(*cuda_host_registrar())
+        start = time.perf_counter()
+        pinner.add_buffer(arena.view(slot))
+        while not pinner.registered:
+            time.sleep(0.001)
+        first_s = time.perf_counter() - start
+        pinner.wait_idle()
+        all_s = time.perf_counter() - start
+        parts = len(pinner.registered)
+        start = time.perf_counter()
+        pinner.close()
+        close_s = time.perf_counter() - start
+        print(
+            f"registering a {arena.segment_size / 2**30:.1f} GiB arena in {parts} parts of "
+            f"{pinner.part_bytes >> 20} MiB on the background thread: first part after "
+            f"{first_s * 1000:.0f} ms, all after {all_s:.2f} s; unregistering at shutdown "
+            f"{close_s:.2f} s"
+        )
+    finally:
+        arena.close()
+
+
+def bench_layer_waits(repeats: int) -> None:
+    """How long a forward pass waits for its loads: each layer waiting for its own copies
+    (``wait_on_device(layer)``) vs one wait for all of them before the first layer, with
+    per-layer compute about as long as a layer's copy; the compute alone is the baseline."""
+    shape = KVShape(num_layers=32, num_blocks=128, block_size=16, num_kv_heads=8, head_size=128)
+    pages = make_pages(2, shape)
+    g = pages.geometry
+    num_chunks = shape.num_blocks // BLOCKS_PER_CHUNK
+    source = torch.empty((num_chunks, g.chunk_bytes), dtype=torch.uint8, pin_memory=True)
+    ids = [list(range(c * BLOCKS_PER_CHUNK, (c + 1) * BLOCKS_PER_CHUNK)) for c in range(num_chunks)]
+    loads = [
+        ChunkLoad(source[c].view(g.num_layers, g.blocks_per_chunk, g.page_bytes), 0, ids[c])
+        for c in range(num_chunks)
+    ]
+    mover = PageMover(pages, CudaCopyStream("cuda"))
+    layer_bytes = num_chunks * g.blocks_per_chunk * g.page_bytes
+    a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+
+    def forward(wait: Callable[[int], None]) -> None:
+        for i in range(g.num_layers):
+            wait(i)
+            torch.mm(a, a)
+
+    def timed(run: Callable[[], None]) -> float:
+        run()
+        times = []
+        for _ in range(repeats):
+            torch.cuda.synchronize()
+            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            begin.record()
+            run()
+            end.record()
+            end.synchronize()
+            times.append(begin.elapsed_time(end))
+        return statistics.median(times)
+
+    def layerwise() -> None:
+        events = mover.load(loads)
+        forward(events.wait_on_device)
+
+    def one_wait() -> None:
+        events = mover.load(loads)
+        events.wait_on_device(g.num_layers - 1)
+        forward(lambda i: None)
+
+    compute = timed(lambda: forward(lambda i: None))
+    copies = timed(lambda: mover.load(loads).wait_on_device(g.num_layers - 1))
+    per_layer, all_first = timed(layerwise), timed(one_wait)
+    print(
+        f"layer waits, {g.num_layers} layers, {layer_bytes / 2**20:.0f} MiB loaded per layer "
+        f"(pinned): compute alone {compute:.2f} ms, the copies alone {copies:.2f} ms; "
+        f"forward with layer-wise waits {per_layer:.2f} ms (waited {per_layer - compute:.2f}), "
+        f"with one wait for all {all_first:.2f} ms (waited {all_first - compute:.2f})"
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gib", type=float, default=1.0, help="bytes per benchmark copy")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--skip-bench", action="store_true")
+    parser.add_argument(
+        "--register-gib", type=float, default=16.0, help="arena size for the registration time"
+    )
     parser.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
     parser.add_argument(
         "--device", default="cuda", help="cpu: dry-run of the arena check only (no GPU)"
@@ -271,6 +359,8 @@ def main(argv: list[str] | None = None) -> int:
     check_hbm_ipc()
     if not args.skip_bench:
         benchmarks(args.gib, args.repeats)
+        bench_layer_waits(args.repeats)
+        bench_registration(args.register_gib)
     return 0
 
 

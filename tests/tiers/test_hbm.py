@@ -23,24 +23,30 @@ from lmcache_svc.tiers.cpu import CpuTier
 from lmcache_svc.tiers.cuda_ipc import CudaIpcHandle, export_handle
 from lmcache_svc.tiers.hbm import DevicePool, HbmTier
 from lmcache_svc.tiers.ssd import SsdTier
+from tests.cuda_marks import cuda_available
 from tests.helpers import make_chunk, make_hash, make_key, make_namespace
 
 CHUNK = 64 * 1024
 
 
-def make_tier(num_chunks: int) -> tuple[HbmTier, torch.Tensor]:
-    buffer = torch.zeros(num_chunks * CHUNK, dtype=torch.uint8)
+# The pool on a CPU tensor everywhere; on a CUDA device too where there is one.
+DEVICES = ["cpu", *(["cuda"] if cuda_available() else [])]
+
+
+def make_tier(num_chunks: int, device: str = "cpu") -> tuple[HbmTier, torch.Tensor]:
+    buffer = torch.zeros(num_chunks * CHUNK, dtype=torch.uint8, device=device)
     return HbmTier(DevicePool(buffer), slab_bytes=CHUNK), buffer
 
 
-def test_chunks_live_at_their_slot_in_the_pool() -> None:
-    tier, buffer = make_tier(4)
+@pytest.mark.parametrize("device", DEVICES)
+def test_chunks_live_at_their_slot_in_the_pool(device: str) -> None:
+    tier, buffer = make_tier(4, device)
     assert tier.put(make_key(1), make_chunk("a", CHUNK)) and tier.put(
         make_key(2), make_chunk("b", CHUNK)
     )
     slot = tier.slot_of(make_key(2))
     assert slot is not None and slot.length == CHUNK
-    pool_bytes = bytes(buffer[slot.offset : slot.offset + slot.length].numpy())
+    pool_bytes = bytes(buffer[slot.offset : slot.offset + slot.length].cpu().numpy())
     assert pool_bytes == make_chunk("b", CHUNK)  # what an engine mapping the pool would copy
     assert tier.slot_of(make_key(3)) is None
     tier.close()
@@ -80,10 +86,10 @@ NAMESPACE = make_namespace(chunk_size=256)  # 64 KiB chunks
 NS = NAMESPACE.namespace_id
 
 
-@pytest.fixture
-def cache(tmp_path: Path) -> Iterator[TieredCache]:
+@pytest.fixture(params=DEVICES)
+def cache(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[TieredCache]:
     arena = Arena.create(2 * CHUNK, slab_bytes=CHUNK, prefault="off")
-    hbm, _ = make_tier(3)
+    hbm, _ = make_tier(3, request.param)
     ssd = SsdTier(tmp_path / "ssd", 8 * (CHUNK + 4096))
     made = TieredCache(CpuTier(arena), [(hbm, TierPolicy()), (ssd, TierPolicy())])
     made.register_namespace(NAMESPACE)
