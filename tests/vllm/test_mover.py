@@ -17,6 +17,7 @@ pytest.importorskip("torch", reason="the layout code needs torch (the [torch] ex
 import random
 
 import torch
+from lmcache_svc_vllm import mover as mover_module
 from lmcache_svc_vllm.layout import KVPages, runs_of
 from lmcache_svc_vllm.mover import ChunkLoad, ChunkSave, PageMover, _host_copies
 from lmcache_svc_vllm.streams import SyncStream, copy_stream_for
@@ -186,6 +187,55 @@ def test_host_saves_match_the_page_by_page_reference(seed: int) -> None:
         pages.copy_chunk_out(ids, pages.chunk_tensor(memoryview(want)[slot * n : (slot + 1) * n]))
     PageMover(pages, SyncStream(), gather="runs").save(saves).synchronize()
     assert bytes(arena) == bytes(want)
+
+
+@pytest.mark.parametrize("group_bytes", [0, 20_000, 1 << 30], ids=["by-layer", "2-layers", "all"])
+@pytest.mark.parametrize("seed", range(6))
+def test_device_path_copies_match_the_page_by_page_reference(
+    seed: int, group_bytes: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The CUDA path's copies (gather="index": scratch, one copy per chunk and group of
+    layers, scratch in batches) on CPU tensors: saves of whole chunks from scattered blocks,
+    then loads into other scattered blocks, exactly as a page-by-page copy."""
+    monkeypatch.setattr(mover_module, "SCRATCH_BYTES", 2 * 2 * BLOCKS_PER_CHUNK * 4096)
+    rng = random.Random(seed)
+    pages, _ = make_pages(50 + seed)
+    assert pages.geometry.page_bytes == 4096  # 2 layers of a chunk: 32 KiB > 20,000
+    bpc, n = BLOCKS_PER_CHUNK, pages.geometry.chunk_bytes
+    num_chunks = rng.randint(1, SHAPE.num_blocks // bpc)
+    src = rng.sample(range(SHAPE.num_blocks), bpc * num_chunks)
+    arena = memoryview(bytearray(num_chunks * n))
+    want = bytearray(num_chunks * n)
+    saves = []
+    for i in range(num_chunks):
+        ids = src[i * bpc : (i + 1) * bpc]
+        saves.append(ChunkSave(ids, pages.chunk_tensor(arena[i * n : (i + 1) * n])))
+        pages.copy_chunk_out(ids, pages.chunk_tensor(memoryview(want)[i * n : (i + 1) * n]))
+    mover = PageMover(pages, SyncStream(), gather="index", group_bytes=group_bytes)
+    mover.save(saves).synchronize()
+    assert bytes(arena) == bytes(want)
+
+    dst, _ = make_pages(70 + seed)
+    expected = [layer.clone() for layer in dst.layers]
+    reference = KVPages(expected, bpc)
+    to = rng.sample(range(SHAPE.num_blocks), bpc * num_chunks)
+    loads = []
+    for i in range(num_chunks):
+        ids, chunk = to[i * bpc : (i + 1) * bpc], arena[i * n : (i + 1) * n]
+        loads.append(ChunkLoad(chunk, 0, ids))
+        reference.copy_chunk_in(pages.chunk_tensor(chunk), 0, ids)
+    events = PageMover(dst, SyncStream(), gather="index", group_bytes=group_bytes).load(loads)
+    assert len(events.events) == SHAPE.num_layers
+    for got, wanted in zip(dst.layers, expected):
+        assert torch.equal(got, wanted)
+
+
+def test_layer_groups_are_runs_of_consecutive_layers_up_to_the_group_size() -> None:
+    pages, _ = make_pages(0)  # 16 KiB per layer of a chunk
+    groups = PageMover(pages, SyncStream(), gather="index", group_bytes=20_000)._layer_groups
+    assert groups(range(3)) == [[0, 1], [2]]
+    assert groups([0, 2]) == [[0], [2]]
+    assert PageMover(pages, SyncStream(), group_bytes=1)._layer_groups(range(3)) == [[0], [1], [2]]
 
 
 def test_a_chunk_buffer_of_the_wrong_size_is_refused() -> None:

@@ -127,3 +127,15 @@ def test_buffers_of_inline_transfers_are_never_registered() -> None:
 def test_bad_part_size_is_refused() -> None:
     with pytest.raises(ValueError, match="part_bytes"):
         HostPinner(Recorder().register, Recorder().unregister, part_bytes=1000)
+
+
+def test_a_mapping_is_registered_whole_by_default() -> None:
+    # A copy that spans two registrations fails on a GPU (cudaErrorInvalidValue): by
+    # default no slot of a mapping can lie across a registration's end.
+    rec = Recorder()
+    pinner = HostPinner(rec.register, rec.unregister)
+    assert pinner.add_range(1 << 40, 3 * 1024 * MiB + 4096, read_only=True)
+    assert pinner.wait_idle(10)
+    assert rec.registered == [(1 << 40, 3 * 1024 * MiB + 4096, True)]
+    pinner.close()
+    assert rec.unregistered == [1 << 40]

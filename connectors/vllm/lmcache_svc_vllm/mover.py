@@ -42,6 +42,11 @@ from lmcache_svc_vllm.streams import CopyEvent, CopyStream, SyncStream
 
 Gather = Literal["runs", "index"]
 
+GROUP_BYTES = 4 << 20
+"""Device copies of whole chunks move at least this much per chunk where layers allow."""
+SCRATCH_BYTES = 256 << 20
+"""The most device scratch a grouped copy holds at a time."""
+
 
 @dataclass(frozen=True, slots=True)
 class ChunkSave:
@@ -78,9 +83,19 @@ class LayerEvents:
 
 
 class PageMover:
-    def __init__(self, pages: KVPages, stream: CopyStream, *, gather: Gather | None = None) -> None:
+    def __init__(
+        self,
+        pages: KVPages,
+        stream: CopyStream,
+        *,
+        gather: Gather | None = None,
+        group_bytes: int = GROUP_BYTES,
+    ) -> None:
+        """``group_bytes``: device copies of whole chunks move this many bytes per chunk
+        where the layers allow (``_layer_groups``); 0 copies layer by layer."""
         self.pages = pages
         self.stream = stream
+        self.group_bytes = group_bytes
         device = pages.device
         self.gather: Gather = gather or ("index" if device.type != "cpu" else "runs")
         self._non_blocking = device.type != "cpu"
@@ -99,7 +114,12 @@ class PageMover:
         if self._host is not None and self.gather == "runs":
             return LayerEvents(self._save_host(todo, chunks) or [self.stream.record()])
         with self.stream.activate():
-            events = [self._save_layer(i, chunks) for i in todo]
+            if self._groups_whole(chunks, 0):
+                events = [
+                    e for grp in self._layer_groups(todo) for e in self._save_group(grp, chunks)
+                ]
+            else:
+                events = [self._save_layer(i, chunks) for i in todo]
         # With no layer left (all saved layer by layer), the event still marks the copies
         # enqueued before: the caller's synchronize() waits for them before committing.
         return LayerEvents(events or [self.stream.record()])
@@ -141,10 +161,12 @@ class PageMover:
         if self._host is not None and self.gather == "runs":
             return LayerEvents(self._load_host(chunks))
         srcs = [self._chunk_tensor(c.src) for c in chunks]
+        layers = range(len(self.pages.layers))
         with self.stream.activate():
-            return LayerEvents(
-                [self._load_layer(i, chunks, srcs) for i in range(len(self.pages.layers))]
-            )
+            if self._groups_whole(chunks, max((c.first_block for c in chunks), default=0)):
+                groups = self._layer_groups(layers)
+                return LayerEvents([e for g in groups for e in self._load_group(g, srcs, chunks)])
+            return LayerEvents([self._load_layer(i, chunks, srcs) for i in layers])
 
     def _load_host(self, chunks: Sequence[ChunkLoad]) -> list[CopyEvent]:
         assert self._host is not None
@@ -182,6 +204,83 @@ class PageMover:
             offset += n
         kv.index_copy_(0, torch.tensor(ids, dtype=torch.long, device=kv.device), staged)
         return self.stream.record()
+
+    # -- device copies of whole chunks, layers grouped --------------------------------------
+
+    def _groups_whole(self, chunks: Sequence[ChunkSave] | Sequence[ChunkLoad], first: int) -> bool:
+        """Group layers: a device copy path of scattered blocks, whole chunks only."""
+        bpc = self.pages.geometry.blocks_per_chunk
+        return (
+            self.gather == "index"
+            and self.group_bytes > 0
+            and bool(chunks)
+            and first == 0
+            and all(len(c.block_ids) == bpc for c in chunks)
+        )
+
+    def _layer_groups(self, layers: Sequence[int]) -> list[list[int]]:
+        """Runs of consecutive layers whose pages of one chunk add up to ``group_bytes``:
+        each chunk's part of a group is one contiguous range of its slot, one copy. (A
+        chunk's pages of one layer are 512 KiB for a typical 8B model's 128-token chunk;
+        a copy that small leaves the copy engine idle between launches.)"""
+        g = self.pages.geometry
+        size = max(1, -(-self.group_bytes // (g.blocks_per_chunk * g.page_bytes)))
+        groups: list[list[int]] = []
+        for layer in layers:
+            if groups and groups[-1][-1] + 1 == layer and len(groups[-1]) < size:
+                groups[-1].append(layer)
+            else:
+                groups.append([layer])
+        return groups
+
+    def _batches(self, num_chunks: int, group: Sequence[int]) -> list[range]:
+        """Chunks per scratch tensor: at most ``SCRATCH_BYTES`` of device memory at a time."""
+        g = self.pages.geometry
+        per_chunk = len(group) * g.blocks_per_chunk * g.page_bytes
+        step = max(1, SCRATCH_BYTES // per_chunk)
+        return [range(i, min(i + step, num_chunks)) for i in range(0, num_chunks, step)]
+
+    def _block_ids(self, chunks: Sequence[ChunkSave] | Sequence[ChunkLoad]) -> torch.Tensor:
+        ids = [b for c in chunks for b in c.block_ids]
+        return torch.tensor(ids, dtype=torch.long, device=self.pages.device)
+
+    def _load_group(
+        self, group: Sequence[int], srcs: Sequence[torch.Tensor], chunks: Sequence[ChunkLoad]
+    ) -> list[CopyEvent]:
+        """One host-to-device copy per chunk for the group's layers into scratch, then one
+        scatter per layer; an event per layer once the group is in place."""
+        g, first, last = self.pages.geometry, group[0], group[-1] + 1
+        for batch in self._batches(len(chunks), group):
+            staged = torch.empty(
+                (len(batch), len(group), g.blocks_per_chunk, g.page_bytes),
+                dtype=torch.uint8,
+                device=self.pages.device,
+            )
+            for i, c in enumerate(batch):
+                staged[i].copy_(srcs[c][first:last], non_blocking=True)
+            ids = self._block_ids([chunks[c] for c in batch])
+            for j, layer in enumerate(group):
+                self.pages.layers[layer].index_copy_(0, ids, staged[:, j].reshape(-1, g.page_bytes))
+        return [self.stream.record() for _ in group]
+
+    def _save_group(self, group: Sequence[int], chunks: Sequence[ChunkSave]) -> list[CopyEvent]:
+        """One gather per layer into scratch, then one device-to-host copy per chunk for the
+        group's layers."""
+        g, first, last = self.pages.geometry, group[0], group[-1] + 1
+        for batch in self._batches(len(chunks), group):
+            part = [chunks[c] for c in batch]
+            ids = self._block_ids(part)
+            staged = torch.empty(
+                (len(batch), len(group), g.blocks_per_chunk, g.page_bytes),
+                dtype=torch.uint8,
+                device=self.pages.device,
+            )
+            for j, layer in enumerate(group):
+                pages = self.pages.layers[layer].index_select(0, ids)
+                staged[:, j] = pages.view(len(batch), g.blocks_per_chunk, g.page_bytes)
+            for i, c in enumerate(part):
+                c.dst[first:last].copy_(staged[i], non_blocking=True)
+        return [self.stream.record() for _ in group]
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,11 +1,18 @@
-"""Page-locking the mapped shared segment, in parts and in the background.
+"""Page-locking the mapped shared segment, in the background.
 
 Copies between device memory and *pageable* host memory go through a driver staging buffer
 at roughly half the PCIe rate; registering the mapped segment with ``cudaHostRegister``
 makes the slots DMA targets. Registering a large arena takes long (the driver touches and
-locks every page), so ``HostPinner`` registers each mapping in parts of ``part_bytes`` on a
-background thread, in address order, and the engine never waits for it: a copy into a part
-that is not registered yet still works, at pageable speed.
+locks every page), so ``HostPinner`` registers each mapping on a background thread and the
+engine never waits for it: a copy into a mapping that is not registered yet still works, at
+pageable speed.
+
+A mapping is registered in one piece by default. Registering it in parts (``part_bytes``)
+would pin the first parts sooner, but on an H100 (driver 580, CUDA 13) a copy whose range
+spans two registrations, or a registered part and a pageable one, fails with
+``cudaErrorInvalidValue`` (``scripts/gpu_check.sh`` probes it), and a slot can lie across
+any boundary the arena's layout does not know of. ``part_bytes`` is for tests of the
+bookkeeping and for ranges no copy crosses.
 
 Each distinct mapping (``memoryview.obj`` of the slot buffers the client hands out: the
 read-write mapping for stores, the read-only one for loads) is registered once, the
@@ -35,7 +42,6 @@ Register = Callable[[int, int, bool], None]
 Unregister = Callable[[int], None]
 """``unregister(address)``: undo one ``register`` of a range starting there."""
 
-DEFAULT_PART_BYTES = 256 << 20
 _CUDA_HOST_REGISTER_PORTABLE = 0x01
 _CUDA_HOST_REGISTER_READ_ONLY = 0x08
 
@@ -48,12 +54,13 @@ class Part:
 
 
 class HostPinner:
-    """Registers mappings part by part on one background thread; thread-safe."""
+    """Registers mappings (whole, or part by part) on one background thread; thread-safe."""
 
     def __init__(
-        self, register: Register, unregister: Unregister, *, part_bytes: int = DEFAULT_PART_BYTES
+        self, register: Register, unregister: Unregister, *, part_bytes: int | None = None
     ) -> None:
-        if part_bytes <= 0 or part_bytes % 4096:
+        """``part_bytes``: None registers each mapping whole (see the module's docstring)."""
+        if part_bytes is not None and (part_bytes <= 0 or part_bytes % 4096):
             raise ValueError(f"part_bytes must be a positive multiple of 4096, got {part_bytes}")
         self._register = register
         self._unregister = unregister
@@ -83,8 +90,9 @@ class HostPinner:
             if self._closed or base in self._mappings or size <= 0:
                 return False
             self._mappings.add(base)
-            for offset in range(0, size, self.part_bytes):
-                n = min(self.part_bytes, size - offset)
+            step = self.part_bytes or size
+            for offset in range(0, size, step):
+                n = min(step, size - offset)
                 self._queue.append(Part(base + offset, n, read_only))
                 self._num_parts += 1
             if self._thread is None:
