@@ -1,16 +1,33 @@
-"""``bench hitcost``: the phases read off one request's marks, and the quick mode end to end
-on real vLLM engines (structure and sanity only, never timings)."""
+"""``bench hitcost``: the phases read off one request's marks, the copy baselines (the cold
+copy's bytes and blocks, both targets' verdicts), and the quick mode end to end on real
+vLLM engines (structure and sanity only, never timings)."""
 
 from __future__ import annotations
 
 import math
 from pathlib import Path
+from types import SimpleNamespace
 
+import numpy as np
 import pytest
 
+from lmcache_svc_bench import hitcost
 from lmcache_svc_bench.hitcost import Sample, _phase_times
+from lmcache_svc_bench.hitcost_copy import (
+    ColdCopy,
+    CopyBaselines,
+    KVGeometry,
+    bench_geometry,
+    cold_copy_ms,
+    engine_cache_tokens,
+)
+from lmcache_svc_bench.report import Report
 from lmcache_svc_bench.runner import run_benchmark
+from lmcache_svc_bench.vllm.bench_model import TINY
 from lmcache_svc_bench.vllm.engines import VLLM_PYTHON
+from lmcache_svc_bench.vllm_common import kv_bytes_per_token
+
+SMALL = KVGeometry(num_layers=2, page_bytes=8, num_blocks=16, blocks_per_chunk=2)
 
 
 def test_a_request_splits_into_phases_in_order() -> None:
@@ -26,6 +43,147 @@ def test_a_request_splits_into_phases_in_order() -> None:
     assert _phase_times(Sample(20.0, 512, [(0.0, "ttft.add"), (20.0, "ttft.first")])) is None
 
 
+def test_the_cold_copy_fills_unused_blocks_with_the_chunks_pages_as_the_mover_does() -> None:
+    cold = ColdCopy(SMALL, 3)
+    assert cold.num_bytes == 3 * SMALL.chunk_bytes == 96
+    assert all(not kv.any() for kv in cold.layers)  # zeroed once
+    cold.chunks[...] = (np.arange(96) + 1).reshape(cold.chunks.shape)  # every byte its own
+    # Up from block 1 (0 is vLLM's null block), then down through the next unused blocks,
+    # then (past the last run that fits) from block 1 again.
+    assert cold.block_ids(0) == [1, 2, 3, 4, 5, 6]
+    assert cold.block_ids(1) == [12, 11, 10, 9, 8, 7]
+    assert cold.block_ids(2) == [1, 2, 3, 4, 5, 6]
+    for i in (0, 1):
+        cold.copy(i)
+        ids = cold.block_ids(i)
+        for layer, kv in enumerate(cold.layers):
+            for c in range(3):
+                for j in range(2):  # chunk c's j-th block of this layer -> its block
+                    assert kv[ids[2 * c + j]].tolist() == cold.chunks[c, layer, j].tolist()
+    written = {b for i in (0, 1) for b in cold.block_ids(i)}
+    for kv in cold.layers:  # exactly the bytes of the chunks, nowhere else
+        assert int(np.count_nonzero(kv)) == len(written) * SMALL.page_bytes
+        assert not kv[[b for b in range(16) if b not in written]].any()
+
+
+def test_the_cold_copy_sleeps_the_idle_time_before_each_copy(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    events: list[object] = []
+    monkeypatch.setattr(ColdCopy, "copy", lambda self, i: events.append(("copy", i)))
+    times = cold_copy_ms(SMALL, 2, idle_s=1.3, repeats=3, sleep=events.append)
+    assert events == [1.3, ("copy", 0), 1.3, ("copy", 1), 1.3, ("copy", 2)]
+    assert len(times) == 3 and all(t >= 0 for t in times)
+
+
+def test_the_cold_destination_is_the_engines_cache_and_the_copy_the_loaded_bytes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    per_token = kv_bytes_per_token(TINY)
+    g = bench_geometry(per_token, TINY.num_layers, 128, 128, 524_288)
+    assert (g.page_bytes, g.num_blocks, g.blocks_per_chunk) == (128 * per_token // 4, 4096, 1)
+    assert g.cache_bytes == 1 << 30  # VLLM_CPU_KVCACHE_SPACE=1, as the engines have
+    calls: list[tuple[int, float, int]] = []
+
+    def fake(geometry: KVGeometry, num_chunks: int, *, idle_s: float, repeats: int) -> list:
+        calls.append((num_chunks, idle_s, repeats))
+        return [1.0] * repeats
+
+    monkeypatch.setattr(hitcost, "cold_copy_ms", fake)
+    runs = {
+        583: [Sample(15.0, n, []) for n in (512, 512, 384)],
+        6064: [Sample(47.0, n, []) for n in (6016, 5888, 6016)],
+        9: [Sample(1.0, 0, [])],  # nothing loaded: no cold copy
+    }
+    out = hitcost._cold_copies(SimpleNamespace(progress=lambda _: None), g, runs, 7)
+    assert calls == [(4, hitcost.IDLE_S, 7), (47, hitcost.IDLE_S, 7)] and list(out) == [583, 6064]
+    # Byte for byte what the warm baseline counts: (b)'s median cached tokens x KV per token.
+    assert 47 * g.chunk_bytes == 6016 * per_token and 4 * g.chunk_bytes == 512 * per_token
+    with pytest.raises(ValueError, match="not whole blocks"):
+        bench_geometry(per_token, TINY.num_layers, 128, 200, 524_288)
+
+
+def test_the_cache_size_is_read_from_the_engines_log(tmp_path: Path) -> None:
+    log = tmp_path / "engine.log"
+    log.write_text(
+        "INFO 11-26 [kv_cache_utils.py:1] CPU KV cache size: 524,288 tokens, Maximum "
+        "concurrency for 8,192 tokens per request: 64.00x\n"
+    )
+    assert engine_cache_tokens(log) == 524_288
+    log.write_text("INFO no such line\n")
+    assert engine_cache_tokens(log) is None
+
+
+def _report_of(b_ttft_6064: float) -> Report:
+    """A report of two contexts: (c) at 14 / 45 ms, (b) at 14.5 ms and ``b_ttft_6064``, (b)'s
+    copy in the engine 1.3 ms; warm memcpy at 22 GB/s, cold copies of 0.1-0.4 and 1.6-1.8 ms."""
+
+    def runs(ttft: float, cached: int, marks: list[tuple[float, str]]) -> list[Sample]:
+        return [Sample(ttft, cached, marks) for _ in range(3)]
+
+    copy = [(5.0, "load.located"), (6.3, "load.copied")]
+    samples = {
+        name: {583: runs(14.0, 512, []), 6064: runs(45.0, 6016, [])} for name in "c cn cp".split()
+    }
+    samples["b"] = {583: runs(14.5, 512, copy), 6064: runs(b_ttft_6064, 6016, copy)}
+    g = bench_geometry(2048, 4, 128, 128, 524_288)
+    cold = {583: [0.3, 0.1, 0.4], 6064: [1.8, 1.6, 1.7]}
+    report = Report("hitcost", "full")
+    hitcost._write(report, samples, CopyBaselines(2048, 22.0, g, cold, 1.3))
+    return report
+
+
+@pytest.mark.parametrize(
+    ("b_ttft_6064", "warm_met", "cold_met", "cold_context", "cold_excess"),
+    [
+        (47.5, False, True, 6064, 2.5 - 1.7),  # beyond memcpy, within the cold copy
+        (48.5, False, False, 6064, 3.5 - 1.7),  # beyond both
+        (46.5, True, True, 583, 0.5 - 0.3),  # within both; the cold worst is the other context
+    ],
+)
+def test_both_baselines_give_their_own_verdict(
+    b_ttft_6064: float, warm_met: bool, cold_met: bool, cold_context: int, cold_excess: float
+) -> None:
+    report = _report_of(b_ttft_6064)
+    warm_ms = 6016 * 2048 / 22e9 * 1e3
+    warm, cold = report.targets
+    assert warm.name == (
+        f"(b) - (c), paired median, beyond the memcpy time of the loaded KV ({warm_ms:.2f} ms "
+        "at 22.0 GB/s, same run), worst context (6064), ms"
+    )
+    assert warm.value == pytest.approx(b_ttft_6064 - 45.0 - warm_ms)
+    assert cold.name.startswith("(b) - (c), paired median, beyond the cold copy time")
+    cold_ms = {583: 0.3, 6064: 1.7}[cold_context]
+    assert f"({cold_ms:.2f} ms:" in cold.name and "1024 MiB cache idle 1.3 s" in cold.name
+    assert "median of 3" in cold.name
+    assert cold.name.endswith(f"worst context ({cold_context}), ms")
+    assert cold.value == pytest.approx(cold_excess)
+    assert (warm.met, cold.met) == (warm_met, cold_met)
+    rows = report.to_markdown().split("### Targets")[1]
+    assert rows.count("| met") + rows.count("| MISSED") == 2
+    assert ("| MISSED" in rows) == (not (warm_met and cold_met))
+
+
+def test_the_copy_table_puts_the_engines_copy_next_to_both_baselines() -> None:
+    report = _report_of(47.5)
+    table = report.tables[-1]
+    assert table.columns[2:] == [
+        "(b)'s copy in the engine",
+        "warm memcpy",
+        "cold copy: median",
+        "min",
+        "max",
+    ]
+    (r583, r6064) = table.rows
+    assert r6064[:2] == [6064, 6016 * 2048 / 1e6]
+    assert r6064[2:] == pytest.approx([1.3, 6016 * 2048 / 22e9 * 1e3, 1.7, 1.6, 1.8])
+    assert r583[4:] == pytest.approx([0.3, 0.1, 0.4])
+    data = report.data["copy_baselines"]
+    assert data["cold_cache_bytes"] == 1 << 30 and data["idle_s"] == 1.3
+    assert data["contexts"]["6064"]["bytes"] == 6016 * 2048
+    assert data["contexts"]["6064"]["cold_copy_runs_ms"] == [1.8, 1.6, 1.7]
+
+
 @pytest.mark.slow
 @pytest.mark.vllm
 @pytest.mark.timeout(1200)
@@ -33,7 +191,7 @@ def test_quick_mode_end_to_end(tmp_path: Path) -> None:
     if not VLLM_PYTHON.exists():
         pytest.skip(f"{VLLM_PYTHON} is missing: run scripts/setup_vllm.sh first")
     report = run_benchmark("hitcost", quick=True, out_dir=tmp_path)
-    ttfts, phases = report.tables
+    ttfts, phases, copies = report.tables
     assert [(r[0], r[1]) for r in ttfts.rows] == [
         (583, "(c)"),
         (583, "(cn)"),
@@ -47,5 +205,11 @@ def test_quick_mode_end_to_end(tmp_path: Path) -> None:
     assert [r[1] for r in phases.rows] == ["(cn)", "(cp)", "(b)"]
     for row in phases.rows:
         assert all(v >= 0 for v in row[2:]) and sum(row[2:-1]) <= row[-1] + 1
-    (target,) = report.targets
-    assert math.isfinite(target.value)
+    ((context, loaded_mb, engine, warm, cold, low, high),) = copies.rows
+    assert (context, loaded_mb) == (583, 512 * 2048 / 1e6)
+    assert all(math.isfinite(v) and v > 0 for v in (engine, warm, cold))
+    assert low <= cold <= high
+    assert len(report.data["copy_baselines"]["contexts"]["583"]["cold_copy_runs_ms"]) == 3
+    warm_target, cold_target = report.targets
+    assert "memcpy" in warm_target.name and "cold copy" in cold_target.name
+    assert math.isfinite(warm_target.value) and math.isfinite(cold_target.value)
