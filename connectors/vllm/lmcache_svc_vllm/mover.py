@@ -144,8 +144,7 @@ class PageMover:
                 for start, block, n in runs_of(c.block_ids):
                     c.dst[layer, start : start + n].copy_(kv[block : block + n], non_blocking=nb)
             return self.stream.record()
-        ids = [b for c in chunks for b in c.block_ids]
-        gathered = kv.index_select(0, torch.tensor(ids, dtype=torch.long, device=kv.device))
+        gathered = kv.index_select(0, self._block_ids(chunks))
         offset = 0
         for c in chunks:
             n = len(c.block_ids)
@@ -202,7 +201,7 @@ class PageMover:
                 src[layer, c.first_block : c.first_block + n], non_blocking=nb
             )
             offset += n
-        kv.index_copy_(0, torch.tensor(ids, dtype=torch.long, device=kv.device), staged)
+        kv.index_copy_(0, self._block_ids(chunks), staged)
         return self.stream.record()
 
     # -- device copies of whole chunks, layers grouped --------------------------------------
@@ -241,8 +240,15 @@ class PageMover:
         return [range(i, min(i + step, num_chunks)) for i in range(0, num_chunks, step)]
 
     def _block_ids(self, chunks: Sequence[ChunkSave] | Sequence[ChunkLoad]) -> torch.Tensor:
-        ids = [b for c in chunks for b in c.block_ids]
-        return torch.tensor(ids, dtype=torch.long, device=self.pages.device)
+        """The chunks' block ids on the KV's device, without blocking the host: a plain
+        ``torch.tensor(ids, device="cuda")`` is a pageable copy, which waits for the copy
+        stream -- and through ``follow_current`` for the forward pass's queued work. (It
+        did: a load returned only once its copies were done, so the forward pass never
+        overlapped them; tests/gpu/test_worker_cuda.py's planted missing wait showed it.)"""
+        ids = torch.tensor([b for c in chunks for b in c.block_ids], dtype=torch.long)
+        if self.pages.device.type != "cuda":
+            return ids.to(self.pages.device)
+        return ids.pin_memory().to(self.pages.device, non_blocking=True)
 
     def _load_group(
         self, group: Sequence[int], srcs: Sequence[torch.Tensor], chunks: Sequence[ChunkLoad]
