@@ -238,6 +238,16 @@ def test_layer_groups_are_runs_of_consecutive_layers_up_to_the_group_size() -> N
     assert PageMover(pages, SyncStream(), group_bytes=1)._layer_groups(range(3)) == [[0], [1], [2]]
 
 
+def test_device_gathers_move_8_byte_words_where_the_pages_allow() -> None:
+    pages = torch.arange(4 * 16, dtype=torch.uint8).reshape(4, 16)
+    words = mover_module._words(pages)
+    assert words.dtype == torch.int64 and words.shape == (4, 2)
+    assert words.data_ptr() == pages.data_ptr()  # the same memory
+    odd = torch.zeros(4, 12, dtype=torch.uint8)  # 12-byte pages
+    shifted = torch.zeros(65, dtype=torch.uint8)[1:].view(4, 16)  # not 8-byte aligned
+    assert mover_module._words(odd) is odd and mover_module._words(shifted) is shifted
+
+
 def test_a_chunk_buffer_of_the_wrong_size_is_refused() -> None:
     pages, _ = make_pages(5)
     short = memoryview(bytearray(pages.geometry.chunk_bytes - 1))

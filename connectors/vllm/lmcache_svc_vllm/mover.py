@@ -144,7 +144,7 @@ class PageMover:
                 for start, block, n in runs_of(c.block_ids):
                     c.dst[layer, start : start + n].copy_(kv[block : block + n], non_blocking=nb)
             return self.stream.record()
-        gathered = kv.index_select(0, self._block_ids(chunks))
+        gathered = _words(kv).index_select(0, self._block_ids(chunks)).view(torch.uint8)
         offset = 0
         for c in chunks:
             n = len(c.block_ids)
@@ -201,7 +201,7 @@ class PageMover:
                 src[layer, c.first_block : c.first_block + n], non_blocking=nb
             )
             offset += n
-        kv.index_copy_(0, self._block_ids(chunks), staged)
+        _words(kv).index_copy_(0, self._block_ids(chunks), _words(staged))
         return self.stream.record()
 
     # -- device copies of whole chunks, layers grouped --------------------------------------
@@ -266,7 +266,9 @@ class PageMover:
                 staged[i].copy_(srcs[c][first:last], non_blocking=True)
             ids = self._block_ids([chunks[c] for c in batch])
             for j, layer in enumerate(group):
-                self.pages.layers[layer].index_copy_(0, ids, staged[:, j].reshape(-1, g.page_bytes))
+                pages = _words(staged)[:, j]
+                kv = _words(self.pages.layers[layer])
+                kv.index_copy_(0, ids, pages.reshape(-1, pages.shape[-1]))
         return [self.stream.record() for _ in group]
 
     def _save_group(self, group: Sequence[int], chunks: Sequence[ChunkSave]) -> list[CopyEvent]:
@@ -282,8 +284,9 @@ class PageMover:
                 device=self.pages.device,
             )
             for j, layer in enumerate(group):
-                pages = self.pages.layers[layer].index_select(0, ids)
-                staged[:, j] = pages.view(len(batch), g.blocks_per_chunk, g.page_bytes)
+                pages = _words(self.pages.layers[layer]).index_select(0, ids)
+                words = _words(staged)
+                words[:, j] = pages.view(len(batch), g.blocks_per_chunk, words.shape[-1])
             for i, c in enumerate(part):
                 c.dst[first:last].copy_(staged[i], non_blocking=True)
         return [self.stream.record() for _ in group]
@@ -402,6 +405,21 @@ def _host_bytes(src: torch.Tensor | memoryview) -> np.ndarray:
     if isinstance(src, torch.Tensor):
         return src.numpy().reshape(-1)
     return np.frombuffer(src, dtype=np.uint8)
+
+
+def _words(pages: torch.Tensor) -> torch.Tensor:
+    """The same bytes as 8-byte words where they allow it, for the device's gathers and
+    scatters: their kernels move one element per thread, so over uint8 pages they ran at a
+    tenth of a device copy's speed (on an H100, docs/gpu.md)."""
+    if (
+        pages.dtype == torch.uint8
+        and pages.shape[-1] % 8 == 0
+        and pages.stride(-1) == 1
+        and pages.storage_offset() % 8 == 0
+        and all(s % 8 == 0 for s in pages.stride()[:-1])
+    ):
+        return pages.view(torch.int64)
+    return pages
 
 
 def _numpy_views(layers: Sequence[torch.Tensor]) -> list[np.ndarray] | None:
