@@ -268,11 +268,12 @@ class PageMover:
             )
             for i, c in enumerate(batch):
                 staged[i].copy_(srcs[c][first:last], non_blocking=True)
-            ids = self._block_ids([chunks[c] for c in batch])
+            ids = self._block_ids([chunks[c] for c in batch]).view(len(batch), -1)
+            words = _words(staged)
             for j, layer in enumerate(group):
-                pages = _words(staged)[:, j]
-                kv = _words(self.pages.layers[layer])
-                kv.index_copy_(0, ids, pages.reshape(-1, pages.shape[-1]))
+                # [chunks, blocks] ids take the strided [chunks, blocks, page] scratch as it
+                # is (index_copy_ wants it flat, which is one more device copy per layer)
+                _words(self.pages.layers[layer])[ids] = words[:, j]
         return [self.stream.record() for _ in group]
 
     def _save_group(self, group: Sequence[int], chunks: Sequence[ChunkSave]) -> list[CopyEvent]:
