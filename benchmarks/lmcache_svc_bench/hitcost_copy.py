@@ -11,6 +11,11 @@ measured in the same run, two ways:
   allocated and zeroed once as vLLM's is, then left idle for the bench's idle time before
   each copy, as an engine is before each query.
 
+The buffers are mappings of their own, as the engine's are: the destination a private one,
+as torch allocates vLLM's cache (numpy would advise huge pages for an array this large, and
+on this host's ``madvise`` setting get them, which torch does not), the source a shared one,
+like the arena's segment.
+
 Each cold copy goes to blocks no earlier copy touched (walking through the cache, as a
 fresh engine without a prefix cache takes blocks from its free queue), so its destination
 was last written when the cache was zeroed; every other copy counts down. The source, one
@@ -23,6 +28,7 @@ it, and a table puts (b)'s own copy in the engine next to both baselines.
 
 from __future__ import annotations
 
+import mmap
 import re
 import time
 from collections.abc import Callable
@@ -96,13 +102,16 @@ class ColdCopy:
         self.num_runs = (g.num_blocks - 1) // max(1, self.num_blocks_copied)
         if num_chunks < 1 or self.num_runs < 1:
             raise ValueError(f"{num_chunks} chunks do not fit a cache of {g.num_blocks} blocks")
+        # vLLM allocates its KV cache with torch.zeros: every page written once.
+        layer_bytes = g.num_blocks * g.page_bytes
         self.layers = [
-            np.empty((g.num_blocks, g.page_bytes), dtype=np.uint8) for _ in range(g.num_layers)
+            _mapped(layer_bytes, mmap.MAP_PRIVATE).reshape(g.num_blocks, g.page_bytes)
+            for _ in range(g.num_layers)
         ]
-        for kv in self.layers:
-            kv.fill(0)  # vLLM allocates its KV cache with torch.zeros: every page written
+        chunks = _mapped(num_chunks * g.chunk_bytes, mmap.MAP_SHARED)
+        chunks.fill(1)
         shape = (num_chunks, g.num_layers, g.blocks_per_chunk, g.page_bytes)
-        self.chunks = np.ones(shape, dtype=np.uint8)  # [chunks, layers, blocks, page]
+        self.chunks = chunks.reshape(shape)  # [chunks, layers, blocks, page]
 
     @property
     def num_blocks_copied(self) -> int:
@@ -131,6 +140,13 @@ class ColdCopy:
             if i % 2:
                 blocks = blocks[::-1, ::-1]
             blocks[...] = self.chunks[:, layer]
+
+
+def _mapped(num_bytes: int, flags: int) -> np.ndarray:
+    """``num_bytes`` zeroed bytes of an anonymous mapping (private or shared) of their own."""
+    out = np.frombuffer(mmap.mmap(-1, num_bytes, flags=flags), dtype=np.uint8)
+    out.fill(0)
+    return out
 
 
 def cold_copy_ms(
