@@ -11,7 +11,7 @@ chunks go by groups of consecutive layers (``_layer_groups``: 4 MiB of a chunk p
   device scratch tensor, then one ``index_copy_`` per layer scatters them into the blocks.
 
 Gathers and scatters move 8-byte words, and nothing waits on the host (on an H100 these
-took the arena's copies from 68-75% of a plain pinned copy to 86-87%: docs/gpu.md).
+took the arena's copies from 68-75% of a plain pinned copy to 86-88%: docs/gpu.md).
 Partial chunks go layer by layer (a chunk whose blocks are one run of consecutive ids
 without scratch). ``gather="runs"`` copies run by run instead, which is what the CPU uses
 (an extra memcpy through scratch costs more there than per-run calls). On the CPU the
