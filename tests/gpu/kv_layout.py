@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
+from lmcache_svc.keys import KVLayout, Namespace
+
 _AXES = "LBHNC"
 
 
@@ -44,6 +46,19 @@ def make_kv_caches(
     backing = torch.randn([sizes[a] for a in s.layout], generator=gen).to(s.dtype).to(device)
     logical = backing.permute([s.layout.index(a) for a in _AXES])  # [L, B, H, N, C]
     return {f"model.layers.{i}.self_attn.attn": logical[i] for i in range(s.num_layers)}
+
+
+def namespace_for(shape: KVShape, model: str, chunk_size: int) -> Namespace:
+    """The plugin's namespace for KV caches of ``shape`` on CUDA."""
+    layout = KVLayout(
+        str(shape.dtype).removeprefix("torch."),
+        shape.num_layers,
+        shape.num_kv_heads,
+        shape.head_size,
+        shape.block_size,
+        f"vllm-cuda/{page_order(shape)}",
+    )
+    return Namespace(model=model, layout=layout, chunk_size=chunk_size)
 
 
 def page_order(shape: KVShape) -> str:

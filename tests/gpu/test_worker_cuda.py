@@ -28,25 +28,14 @@ from lmcache_svc_vllm.streams import CudaCopyStream
 from lmcache_svc_vllm.worker import WorkerSide
 
 from lmcache_svc.client import CacheClient
-from lmcache_svc.keys import KVLayout, Namespace, chunk_hashes
+from lmcache_svc.keys import chunk_hashes
 from lmcache_svc_bench.procs import ServerProc, start_server
-from tests.gpu.kv_layout import KVShape, make_kv_caches, page_order
+from tests.gpu.kv_layout import KVShape, make_kv_caches, namespace_for, page_order
 from tests.helpers import wait_until
 
 SHAPE = KVShape(num_layers=4, num_blocks=64, block_size=16, num_kv_heads=8, head_size=128)
 CHUNK = 128  # tokens: 8 blocks of 16, the plugin's default on CUDA
-NAMESPACE = Namespace(
-    model="gpu-worker-test",
-    layout=KVLayout(
-        "bfloat16",
-        SHAPE.num_layers,
-        SHAPE.num_kv_heads,
-        SHAPE.head_size,
-        SHAPE.block_size,
-        f"vllm-cuda/{page_order(SHAPE)}",
-    ),
-    chunk_size=CHUNK,
-)
+NAMESPACE = namespace_for(SHAPE, "gpu-worker-test", CHUNK)
 HASHES = tuple(chunk_hashes(NAMESPACE, list(range(5000, 5000 + 3 * CHUNK))))
 SAVED = (3, 9, 4, 40, 41, 42, 43, 7, 12, 13, 14, 15, 16, 17, 18, 19)  # two chunks' blocks
 LOADED = (60, 59, 58, 57, 56, 55, 54, 53, 20, 22, 24, 26, 28, 30, 32, 34)

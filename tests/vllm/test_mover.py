@@ -23,9 +23,9 @@ from lmcache_svc_vllm.mover import ChunkLoad, ChunkSave, PageMover, _host_copies
 from lmcache_svc_vllm.streams import SyncStream, copy_stream_for
 
 from lmcache_svc.client import CacheClient
-from lmcache_svc.keys import KVLayout, Namespace, chunk_hashes
+from lmcache_svc.keys import chunk_hashes
 from lmcache_svc_bench.procs import ServerProc, start_server
-from tests.gpu.kv_layout import KVShape, make_kv_caches, page_order
+from tests.gpu.kv_layout import KVShape, make_kv_caches, namespace_for, page_order
 
 SHAPE = KVShape(num_layers=3, num_blocks=12, block_size=16, num_kv_heads=2, head_size=32)
 BLOCKS_PER_CHUNK = 4
@@ -272,18 +272,7 @@ def test_cpu_tensors_get_the_synchronous_stream() -> None:
 
 # -- two processes, the real server, the shared arena ------------------------------------
 
-NAMESPACE = Namespace(
-    model="mover-test",
-    layout=KVLayout(
-        "bfloat16",
-        SHAPE.num_layers,
-        SHAPE.num_kv_heads,
-        SHAPE.head_size,
-        SHAPE.block_size,
-        "vllm-cuda/BNHC",
-    ),
-    chunk_size=SHAPE.block_size * BLOCKS_PER_CHUNK,
-)
+NAMESPACE = namespace_for(SHAPE, "mover-test", SHAPE.block_size * BLOCKS_PER_CHUNK)
 HASHES = chunk_hashes(NAMESPACE, list(range(3 * NAMESPACE.chunk_size)))[:2]
 SAVED_BLOCKS = [[6, 1, 2, 3], [11, 0, 9, 8]]
 
