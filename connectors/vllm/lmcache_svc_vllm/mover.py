@@ -12,11 +12,12 @@ chunks go by groups of consecutive layers (``_layer_groups``: 4 MiB of a chunk p
 
 Gathers and scatters move 8-byte words, and nothing waits on the host (on an H100 these
 took the arena's copies from 68-75% of a plain pinned copy to 86-88%: docs/gpu.md).
-Partial chunks go layer by layer (a chunk whose blocks are one run of consecutive ids
-without scratch). ``gather="runs"`` copies run by run instead, which is what the CPU uses
-(an extra memcpy through scratch costs more there than per-run calls). On the CPU the
-copies are numpy assignments over the same memory (torch's per-call overhead was
-most of a page's copy time), as few as the chunks' places allow (``_host_copies``): whole
+A load that starts inside a chunk (vLLM holds its first blocks) goes layer by layer, all
+its chunks (a chunk whose blocks are one run of consecutive ids without scratch).
+``gather="runs"`` copies run by run instead, which is what the CPU uses (an extra memcpy
+through scratch costs more there than per-run calls). On the CPU the copies are numpy
+assignments over the same memory (torch's per-call overhead was most of a page's copy
+time), as few as the chunks' places allow (``_host_copies``): whole
 chunks in consecutive slots of the arena paired with consecutive blocks -- counting up, or
 down as vLLM hands out freed blocks -- are one strided copy per layer, whatever their
 number. A 6,016-token load of the tiny test model (47 chunks, 4 layers) is 4 copies, was
