@@ -123,6 +123,46 @@ def test_adjacent_whole_chunks_into_consecutive_blocks_are_one_copy() -> None:
     assert len(_copies(back, pages)) == 2
 
 
+def test_one_block_chunks_are_one_copy_counting_up_or_down() -> None:
+    # The CPU's default: a chunk is one 128-token block; vLLM hands freed blocks out in
+    # reverse, so adjacent slots often go to blocks counting down.
+    pages = KVPages(make_pages(6)[0].layers, 1)
+    arena, page = _arena(pages, 5, seed=6), pages.geometry.page_bytes
+    down = [ChunkLoad(_slot(arena, pages, i), 0, (9 - i,)) for i in range(4)]
+    up = [ChunkLoad(_slot(arena, pages, i), 0, (2 + i,)) for i in range(4)]
+    assert [(c.chunks.shape, c.block, c.step) for c in _copies(down, pages)] == [
+        ((4, 3, 1, page), 9, -1)
+    ]
+    assert [(c.chunks.shape, c.block, c.step) for c in _copies(up, pages)] == [
+        ((4, 3, 1, page), 2, 1)
+    ]
+    turn = [*down[:2], ChunkLoad(_slot(arena, pages, 2), 0, (9,))]  # 9, 8, then 9: two runs
+    assert [(c.block, c.step, c.chunks.shape[0]) for c in _copies(turn, pages)] == [
+        (9, -1, 2),
+        (9, 1, 1),
+    ]
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_one_block_chunk_loads_match_the_page_by_page_reference(seed: int) -> None:
+    rng = random.Random(seed)
+    pages = KVPages(make_pages(90 + seed)[0].layers, 1)
+    want = [layer.clone() for layer in pages.layers]
+    reference = KVPages(want, 1)
+    arena = _arena(pages, 8, seed)
+    slot, block, loads = rng.randrange(8), rng.randrange(SHAPE.num_blocks), []
+    for _ in range(rng.randint(1, 10)):
+        buffer = _slot(arena, pages, slot)
+        loads.append(ChunkLoad(buffer, 0, (block,)))
+        reference.copy_chunk_in(pages.chunk_tensor(buffer), 0, (block,))
+        slot = (slot + 1) % 8 if rng.random() < 0.7 else rng.randrange(8)
+        step = rng.choice([1, -1, 1, -1, 3])
+        block = block + step if 0 <= block + step < SHAPE.num_blocks else rng.randrange(12)
+    PageMover(pages, SyncStream(), gather="runs").load(loads).synchronize()
+    for got, expected in zip(pages.layers, want):
+        assert torch.equal(got, expected)
+
+
 @pytest.mark.parametrize("seed", range(20))
 def test_host_loads_match_the_page_by_page_reference(seed: int) -> None:
     """Random loads (whole and partial chunks, adjacent slots or not, consecutive or

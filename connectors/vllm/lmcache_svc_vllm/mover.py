@@ -336,12 +336,23 @@ class _Adjacent:
     step: int
     count: int = 1
 
-    def continued_by(self, address: int, block: int, step: int, geometry: ChunkGeometry) -> bool:
-        return (
-            step == self.step
-            and address == self.address + self.count * geometry.chunk_bytes
-            and block == self.block + step * self.count * geometry.blocks_per_chunk
-        )
+    def extend(self, address: int, block: int, step: int, geometry: ChunkGeometry) -> bool:
+        """Take the next chunk if it continues the run; True if it did.
+
+        A chunk of one block (the CPU's default: 128-token blocks and chunks) has no
+        direction of its own: the run's second chunk sets it, so blocks handed out in
+        reverse are one copy too (they were one copy per chunk)."""
+        g = geometry
+        if address != self.address + self.count * g.chunk_bytes:
+            return False
+        if g.blocks_per_chunk == 1:
+            if self.count == 1 and abs(block - self.block) == 1:
+                self.step = block - self.block
+            step = self.step
+        if step != self.step or block != self.block + step * self.count * g.blocks_per_chunk:
+            return False
+        self.count += 1
+        return True
 
     def copy(self, geometry: ChunkGeometry, writeable: bool) -> _HostCopy:
         """One copy for all the chunks: a strided ``[count, layers, blocks, page]`` view."""
@@ -374,8 +385,7 @@ def _host_copies(
         step = _direction(ids)
         if step is not None and first == 0 and len(ids) == g.blocks_per_chunk:
             address = chunk.__array_interface__["data"][0]
-            if adjacent is not None and adjacent.continued_by(address, ids[0], step, g):
-                adjacent.count += 1
+            if adjacent is not None and adjacent.extend(address, ids[0], step, g):
                 continue
             if adjacent is not None:
                 copies.append(adjacent.copy(g, writeable))
