@@ -119,12 +119,12 @@ class PageMover:
         if self._host is not None and self.gather == "runs":
             return LayerEvents(self._save_host(todo, chunks) or [self.stream.record()])
         with self.stream.activate():
+            ids = self._block_ids(chunks)  # once: every layer and group reads it
             if self._groups_whole(chunks, 0):
-                events = [
-                    e for grp in self._layer_groups(todo) for e in self._save_group(grp, chunks)
-                ]
+                groups = self._layer_groups(todo)
+                events = [e for grp in groups for e in self._save_group(grp, chunks, ids)]
             else:
-                events = [self._save_layer(i, chunks) for i in todo]
+                events = [self._save_layer(i, chunks, ids) for i in todo]
         # With no layer left (all saved layer by layer), the event still marks the copies
         # enqueued before: the caller's synchronize() waits for them before committing.
         return LayerEvents(events or [self.stream.record()])
@@ -141,7 +141,7 @@ class PageMover:
             events.append(self.stream.record())
         return events
 
-    def _save_layer(self, layer: int, chunks: Sequence[ChunkSave]) -> CopyEvent:
+    def _save_layer(self, layer: int, chunks: Sequence[ChunkSave], ids: torch.Tensor) -> CopyEvent:
         kv = self.pages.layers[layer]
         nb = self._non_blocking
         if self.gather == "runs" or all(_is_run(c.block_ids) for c in chunks):
@@ -149,7 +149,7 @@ class PageMover:
                 for start, block, n in runs_of(c.block_ids):
                     c.dst[layer, start : start + n].copy_(kv[block : block + n], non_blocking=nb)
             return self.stream.record()
-        gathered = _words(kv).index_select(0, self._block_ids(chunks)).view(torch.uint8)
+        gathered = _words(kv).index_select(0, ids).view(torch.uint8)
         offset = 0
         for c in chunks:
             n = len(c.block_ids)
@@ -167,10 +167,11 @@ class PageMover:
         srcs = [self._chunk_tensor(c.src) for c in chunks]
         layers = range(len(self.pages.layers))
         with self.stream.activate():
+            ids = self._block_ids(chunks)  # once: every layer and group reads it
             if self._groups_whole(chunks, max((c.first_block for c in chunks), default=0)):
                 groups = self._layer_groups(layers)
-                return LayerEvents([e for g in groups for e in self._load_group(g, srcs, chunks)])
-            return LayerEvents([self._load_layer(i, chunks, srcs) for i in layers])
+                return LayerEvents([e for g in groups for e in self._load_group(g, srcs, ids)])
+            return LayerEvents([self._load_layer(i, chunks, srcs, ids) for i in layers])
 
     def _load_host(self, chunks: Sequence[ChunkLoad]) -> list[CopyEvent]:
         assert self._host is not None
@@ -187,7 +188,11 @@ class PageMover:
         return chunk if isinstance(chunk, torch.Tensor) else self.pages.chunk_tensor(chunk)
 
     def _load_layer(
-        self, layer: int, chunks: Sequence[ChunkLoad], srcs: Sequence[torch.Tensor]
+        self,
+        layer: int,
+        chunks: Sequence[ChunkLoad],
+        srcs: Sequence[torch.Tensor],
+        ids: torch.Tensor,
     ) -> CopyEvent:
         kv = self.pages.layers[layer]
         nb = self._non_blocking
@@ -197,7 +202,6 @@ class PageMover:
                     first = c.first_block + start
                     kv[block : block + n].copy_(src[layer, first : first + n], non_blocking=nb)
             return self.stream.record()
-        ids = [b for c in chunks for b in c.block_ids]
         staged = torch.empty((len(ids), kv.shape[1]), dtype=torch.uint8, device=kv.device)
         offset = 0
         for c, src in zip(chunks, srcs):
@@ -206,7 +210,7 @@ class PageMover:
                 src[layer, c.first_block : c.first_block + n], non_blocking=nb
             )
             offset += n
-        _words(kv).index_copy_(0, self._block_ids(chunks), _words(staged))
+        _words(kv).index_copy_(0, ids, _words(staged))
         return self.stream.record()
 
     # -- device copies of whole chunks, layers grouped --------------------------------------
@@ -255,13 +259,18 @@ class PageMover:
             return ids.to(self.pages.device)
         return ids.pin_memory().to(self.pages.device, non_blocking=True)
 
+    def _of_batch(self, ids: torch.Tensor, batch: range) -> torch.Tensor:
+        """The block ids of a batch of whole chunks (a view of the load's or save's ids)."""
+        bpc = self.pages.geometry.blocks_per_chunk
+        return ids[batch.start * bpc : batch.stop * bpc]
+
     def _load_group(
-        self, group: Sequence[int], srcs: Sequence[torch.Tensor], chunks: Sequence[ChunkLoad]
+        self, group: Sequence[int], srcs: Sequence[torch.Tensor], ids: torch.Tensor
     ) -> list[CopyEvent]:
         """One host-to-device copy per chunk for the group's layers into scratch, then one
         scatter per layer; an event per layer once the group is in place."""
         g, first, last = self.pages.geometry, group[0], group[-1] + 1
-        for batch in self._batches(len(chunks), group):
+        for batch in self._batches(len(srcs), group):
             staged = torch.empty(
                 (len(batch), len(group), g.blocks_per_chunk, g.page_bytes),
                 dtype=torch.uint8,
@@ -269,32 +278,33 @@ class PageMover:
             )
             for i, c in enumerate(batch):
                 staged[i].copy_(srcs[c][first:last], non_blocking=True)
-            ids = self._block_ids([chunks[c] for c in batch]).view(len(batch), -1)
+            blocks = self._of_batch(ids, batch).view(len(batch), -1)
             words = _words(staged)
             for j, layer in enumerate(group):
                 # [chunks, blocks] ids take the strided [chunks, blocks, page] scratch as it
                 # is (index_copy_ wants it flat, which is one more device copy per layer)
-                _words(self.pages.layers[layer])[ids] = words[:, j]
+                _words(self.pages.layers[layer])[blocks] = words[:, j]
         return [self.stream.record() for _ in group]
 
-    def _save_group(self, group: Sequence[int], chunks: Sequence[ChunkSave]) -> list[CopyEvent]:
+    def _save_group(
+        self, group: Sequence[int], chunks: Sequence[ChunkSave], ids: torch.Tensor
+    ) -> list[CopyEvent]:
         """One gather per layer into scratch, then one device-to-host copy per chunk for the
         group's layers."""
         g, first, last = self.pages.geometry, group[0], group[-1] + 1
         for batch in self._batches(len(chunks), group):
-            part = [chunks[c] for c in batch]
-            ids = self._block_ids(part)
+            blocks = self._of_batch(ids, batch)
             staged = torch.empty(
                 (len(batch), len(group), g.blocks_per_chunk, g.page_bytes),
                 dtype=torch.uint8,
                 device=self.pages.device,
             )
+            words = _words(staged)
             for j, layer in enumerate(group):
-                pages = _words(self.pages.layers[layer]).index_select(0, ids)
-                words = _words(staged)
+                pages = _words(self.pages.layers[layer]).index_select(0, blocks)
                 words[:, j] = pages.view(len(batch), g.blocks_per_chunk, words.shape[-1])
-            for i, c in enumerate(part):
-                c.dst[first:last].copy_(staged[i], non_blocking=True)
+            for i, c in enumerate(batch):
+                chunks[c].dst[first:last].copy_(staged[i], non_blocking=True)
         return [self.stream.record() for _ in group]
 
 
