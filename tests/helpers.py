@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import hashlib
 import socket
+import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -115,3 +117,13 @@ def count_socket_calls(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, str]]
 
         monkeypatch.setattr(socket.socket, name, counted)
     return calls
+
+
+PLUGIN_DIR = Path(__file__).resolve().parents[1] / "connectors" / "vllm"
+
+
+def import_plugin_from_source() -> None:
+    """Let tests import the plugin's vLLM-free modules straight from ``connectors/vllm``
+    (the test venv has torch but not vLLM); conftests call it before collection."""
+    if str(PLUGIN_DIR) not in sys.path:
+        sys.path.insert(0, str(PLUGIN_DIR))

@@ -18,7 +18,6 @@ import json
 import os
 import re
 import subprocess
-import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,12 +27,11 @@ import yaml
 
 from lmcache_svc import cli
 from lmcache_svc.config import Config, load_config
+from tests.helpers import import_plugin_from_source
 
 REPO = Path(__file__).resolve().parents[2]
 VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
-PLUGIN_DIR = REPO / "connectors" / "vllm"
-if str(PLUGIN_DIR) not in sys.path:  # the plugin's vLLM-free modules, as tests/vllm does
-    sys.path.insert(0, str(PLUGIN_DIR))
+import_plugin_from_source()
 
 from lmcache_svc_vllm.config import ConnectorConfig, parse_config  # noqa: E402
 

@@ -8,18 +8,15 @@ share one set of engines (``env``, see ``e2e.py``) for the whole session.
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
 from lmcache_svc_bench.vllm.engines import VLLM_PYTHON
+from tests.helpers import import_plugin_from_source
 from tests.vllm.e2e import Env, start_env
 
-PLUGIN_DIR = Path(__file__).resolve().parents[2] / "connectors" / "vllm"
-if str(PLUGIN_DIR) not in sys.path:
-    sys.path.insert(0, str(PLUGIN_DIR))
+import_plugin_from_source()
 
 
 def require_vllm_venv() -> None:
