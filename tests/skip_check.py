@@ -16,6 +16,9 @@ EXPECTED_SKIPS: dict[str, str] = {
     # reason prefix -> why a run may skip for it
     "needs CUDA": "GPU tests (tests/cuda_marks.py's NEEDS_CUDA) on a machine without a GPU",
     "needs a CUDA device": "tests/vllm/test_layout.py's CUDA page layout, without a GPU",
+    "needs an x86-64 Linux host with AMX": (
+        "tests/bench/test_engine_site.py's AMX permission check on a host without AMX"
+    ),
     "root writes through directory permissions": (
         "tests/tiers/test_ssd.py's unwritable-directory case means nothing as root"
     ),

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from lmcache_svc_bench.procs import free_port
-from lmcache_svc_bench.vllm.engines import REPO, VLLM_PYTHON
+from lmcache_svc_bench.vllm.engines import REPO, SITE, VLLM_PYTHON
 from lmcache_svc_bench.vllm_common import BENCH_ENV
 
 CLI_MODULE = "lmcache_svc_bench.workload_vllm_cli"
@@ -37,7 +37,8 @@ def vllm_env() -> dict[str, str]:
         "HF_HUB_OFFLINE": "1",
         "VLLM_CPU_KVCACHE_SPACE": "1",  # an upper bound; --num-gpu-blocks-override sizes it
         "PYTHONHASHSEED": "0",  # the client's trace expansion hashes strings
-        "PYTHONPATH": str(REPO / "benchmarks"),  # the CLI shim's module, from this checkout
+        # the CLI shim's module, from this checkout; the engines' AMX permission (SITE)
+        "PYTHONPATH": os.pathsep.join([str(REPO / "benchmarks"), str(SITE)]),
     }
 
 

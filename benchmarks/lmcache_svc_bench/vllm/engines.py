@@ -19,6 +19,8 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[3]
 RUNNER = Path(__file__).with_name("engine_runner.py")
+# Every engine process imports its ``sitecustomize`` (AMX permission: see there).
+SITE = Path(__file__).with_name("site")
 
 
 def _vllm_python() -> Path:
@@ -115,7 +117,9 @@ class EngineProc:
             **SAME_COMPUTE_ENV,
             "HF_HUB_OFFLINE": "1",
             "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib),
-            "PYTHONPATH": os.pathsep.join(str(p) for p in [RUNNER.parent, *(python_path or [])]),
+            "PYTHONPATH": os.pathsep.join(
+                str(p) for p in [RUNNER.parent, SITE, *(python_path or [])]
+            ),
             **(env or {}),
         }
         log_path = log_dir / f"engine-{name}.log"
