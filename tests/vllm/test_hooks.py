@@ -7,7 +7,7 @@ import time
 
 import pytest
 from lmcache_svc_vllm.hooks import FLUSH_NS, HookClock, flush, timed
-from lmcache_svc_vllm.stats import StatsRecorder, merge, summarize
+from lmcache_svc_vllm.stats import FirstTokenHold, StatsRecorder, merge, summarize
 
 
 class Hooks:
@@ -68,6 +68,24 @@ def test_totals_reach_the_stats_and_the_log_line() -> None:
     assert line["worker_hook_ms"] == round(worker["worker_hook_ns"] / 1e6, 3)
     assert line["scheduler_hook_ms"] == round(scheduler["scheduler_hook_ns"] / 1e6, 3)
     assert line["hook_calls"] == 3 and line["lookups"] == 1
+
+
+def test_stats_wait_out_a_step_that_starts_requests_but_never_two() -> None:
+    hold, stats = FirstTokenHold(), StatsRecorder()
+    assert hold.take(stats, starts_requests=True) is None  # nothing to hold, nothing held
+    stats.add(lookups=1)
+    assert hold.take(stats, starts_requests=True) is None  # a first token's step: kept
+    stats.add(load_chunks=3)
+    taken = hold.take(stats, starts_requests=False)  # the next step: both steps' stats
+    assert taken is not None and (taken["lookups"], taken["load_chunks"]) == (1, 3)
+    # Steps that all start requests (a prefill-only engine): every other one reports.
+    sent = []
+    for _ in range(6):
+        stats.add(lookups=1)
+        data = hold.take(stats, starts_requests=True)
+        sent.append(None if data is None else data["lookups"])
+    assert sent == [None, 2, None, 2, None, 2]
+    assert hold.take(stats, starts_requests=False) is None  # nothing left behind
 
 
 def test_the_accounting_is_cheap() -> None:

@@ -126,6 +126,14 @@ def _step(
     )
 
 
+def test_a_step_plan_says_whether_it_starts_requests(server: ServerProc) -> None:
+    """The worker and the connector hold a step's stats back when it starts requests."""
+    scheduler, _ = make_scheduler(server.socket)
+    assert scheduler.build_step_plan(_step({"new": 10}, {}, {"new": [1]})).starts_requests
+    assert not scheduler.build_step_plan(_step({}, {"old": (10, 1)}, {"old": [1]})).starts_requests
+    assert not scheduler.build_step_plan(_empty_step()).starts_requests
+
+
 def test_chunks_are_saved_the_step_after_they_were_computed(server: ServerProc) -> None:
     """A chunk's save never runs in the step that computed it (the request's first token
     would wait for it): the next step saves it, and a request that finished first is held."""

@@ -30,6 +30,7 @@ from tests.vllm.e2e import (
     HERE,
     Env,
     hits_again,
+    make_prompt,
     run,
     tiny_model_namespace,
     wait_stored,
@@ -58,6 +59,29 @@ def test_fresh_engine_loads_prefix_from_sidecar(env: Env) -> None:
     # The hook accounting reaches Prometheus (vLLM's in-process metrics reader truncates
     # counters to ints, so the seconds counters read 0 here; the call count does not).
     assert delta(after, before, "vllm:lmcache_svc_hook_calls") > 0
+
+
+def test_a_hits_stats_ride_the_next_step_not_its_first_tokens(env: Env) -> None:
+    """The step that computes a hit's first token hands vLLM none of the plugin's stats
+    (vLLM records them before that token reaches the caller); the next step hands them
+    over. A one-token hit is a single step: its load is counted once another request runs,
+    while vLLM's own counters of that step are there at once."""
+    hit, other = make_prompt(9_101), make_prompt(9_102)
+    run(env.a, hit)
+    wait_stored(env, [hit])
+    env.b.reset_prefix_cache()
+    before = env.b.metrics()
+    assert env.b.generate([hit], 1)[0]["num_cached_tokens"] == 512
+    middle = env.b.metrics()
+    env.b.generate([other], 1)
+    after = env.b.metrics()
+    assert delta(middle, before, EXT_HITS) == 512  # vLLM's own, in the hit's step
+    assert delta(middle, before, "vllm:lmcache_svc_load_chunks") == 0  # held back
+    assert delta(middle, before, "vllm:lmcache_svc_lookups") == 0
+    # The hit's load and lookup are counted by now (the other request's own lookup may
+    # still be held: a miss asked of the server may take a step of its own).
+    assert delta(after, before, "vllm:lmcache_svc_load_chunks") == 2
+    assert delta(after, before, "vllm:lmcache_svc_lookups") >= 1
 
 
 def test_default_chunk_hit_covers_what_vllm_own_cache_covers(env: Env) -> None:

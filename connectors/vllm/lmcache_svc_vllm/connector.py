@@ -35,7 +35,7 @@ from lmcache_svc_vllm.metadata import StepPlan
 from lmcache_svc_vllm.prefetch import PREFETCHES
 from lmcache_svc_vllm.prom import LMCacheSvcPromMetrics, LMCacheSvcStats
 from lmcache_svc_vllm.scheduler import SchedulerSide
-from lmcache_svc_vllm.stats import StatsRecorder
+from lmcache_svc_vllm.stats import FirstTokenHold, StatsRecorder
 from lmcache_svc_vllm.worker import WorkerSide
 
 if TYPE_CHECKING:
@@ -73,6 +73,8 @@ class LMCacheSvcConnector(KVConnectorBase_V1):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         self._config = parse_config(self._kv_transfer_config.kv_connector_extra_config)
         self._stats = StatsRecorder()
+        self._stats_hold = FirstTokenHold()
+        self._starts_requests = False  # the current step's (StepPlan.starts_requests)
         self.hook_clock = HookClock()
         self._half: Literal["scheduler", "worker"] = (
             "scheduler" if role == KVConnectorRole.SCHEDULER else "worker"
@@ -161,8 +163,10 @@ class LMCacheSvcConnector(KVConnectorBase_V1):
     @timed
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)
+        plan = self._plan()
+        self._starts_requests = plan.starts_requests
         if self._worker is not None:
-            self._worker.bind(self._plan())
+            self._worker.bind(plan)
 
     @timed
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
@@ -199,7 +203,7 @@ class LMCacheSvcConnector(KVConnectorBase_V1):
     @timed
     def get_kv_connector_stats(self) -> LMCacheSvcStats | None:
         flush(self.hook_clock, self._stats, self._half)  # this call's time: next interval
-        data = self._stats.take()
+        data = self._stats_hold.take(self._stats, self._starts_requests)
         return None if data is None else LMCacheSvcStats(data=data)
 
     def shutdown(self) -> None:
@@ -252,7 +256,9 @@ class LMCacheSvcConnector(KVConnectorBase_V1):
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         if self._scheduler is None:
             return LMCacheSvcMetadata()
-        return LMCacheSvcMetadata(self._scheduler.build_step_plan(scheduler_output))
+        plan = self._scheduler.build_step_plan(scheduler_output)
+        self._starts_requests = plan.starts_requests  # for this step's stats (update_from_output)
+        return LMCacheSvcMetadata(plan)
 
     @timed
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:

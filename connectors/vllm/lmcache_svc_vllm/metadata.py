@@ -62,6 +62,8 @@ class StepPlan:
     held: list[str] = field(default_factory=list)
     """Finished requests whose blocks vLLM keeps for this step's saves: the worker reports
     them done (``finished_sending``) once their chunks are copied out, or given up."""
+    starts_requests: bool = False
+    """The step schedules new requests: it computes their first tokens (``FirstTokenHold``)."""
 
     def is_empty(self) -> bool:
         return not self.loads and not self.saves and not self.held

@@ -257,7 +257,12 @@ class SchedulerSide:
         completed it (a request's first token never waits for its own save), and the chunks
         of requests that finished meanwhile (their blocks held until the worker has copied
         them: ``request_finished``)."""
-        plan = StepPlan(loads=self._loads, saves=self._final_saves, held=self._held)
+        plan = StepPlan(
+            loads=self._loads,
+            saves=self._final_saves,
+            held=self._held,
+            starts_requests=bool(scheduler_output.scheduled_new_reqs),
+        )
         self._loads, self._final_saves, self._held = [], [], []
         self._num_running = len(scheduler_output.num_scheduled_tokens)
         for req_id, num_computed in _continuing_requests(scheduler_output):

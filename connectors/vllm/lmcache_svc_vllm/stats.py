@@ -77,6 +77,32 @@ class StatsRecorder:
         return None if is_empty(data) else data
 
 
+class FirstTokenHold:
+    """Keeps the stats off a step that computes first tokens.
+
+    vLLM carries a connector's stats from the worker through the engine core and records
+    them (``KVConnectorLogging``, Prometheus) before the step's outputs reach the caller
+    (``LLMEngine.step``), so stats handed over on the step that starts a request delay its
+    first token: a hit's step always has some (its lookup, its load). Such a step hands
+    nothing over and the next step hands over both. Never two steps in a row: on an engine
+    whose every step starts requests (prefill-only), the stats still go every other step.
+    """
+
+    __slots__ = ("_held",)
+
+    def __init__(self) -> None:
+        self._held = False
+
+    def take(self, stats: StatsRecorder, starts_requests: bool) -> dict[str, Any] | None:
+        """``stats.take()``, or None (kept for the next step) on a step that starts
+        requests, unless the step before held them back already."""
+        if starts_requests and not self._held and stats.has_data():
+            self._held = True
+            return None
+        self._held = False
+        return stats.take()
+
+
 def empty() -> dict[str, Any]:
     data: dict[str, Any] = {name: 0 for name in COUNTERS + HOOK_COUNTERS}
     data.update({name: [] for name in TIMINGS})
