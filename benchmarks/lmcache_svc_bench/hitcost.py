@@ -13,6 +13,9 @@ compared as pairs:
        saves alongside (what the plugin's presence costs a hit)
   b    a fresh engine, vLLM's prefix cache off, the context loaded from the server (a hit)
 
+The engines take each query in a rotating order (the first query c, cn, cp, b; the next cn,
+cp, b, c; ...), so no engine always runs first or right after another one.
+
 Between two requests the driver waits ``IDLE_S``: vLLM's shared-memory readers busy-loop for
 a second after each read (``SpinCondition`` in vLLM's ``shm_broadcast.py``), and an engine
 that just ran would take the CPU from the next one. So each request finds its engine idle,
@@ -33,7 +36,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from lmcache_svc_bench.hitcost_copy import (
+    GAP_LEVEL,
     CopyBaselines,
+    Gap,
     KVGeometry,
     bench_geometry,
     cold_copy_ms,
@@ -140,7 +145,8 @@ def run(ctx: BenchContext) -> Report:
                     engine.generate([context], 1)
         for cell in workload.queries:
             for i, prompt in enumerate(workload.prompts(cell)):
-                for name, engine in engines.items():
+                for name in query_order(i):
+                    engine = engines[name]
                     time.sleep(IDLE_S)
                     out = engine.ttft(prompt, workload.max_tokens)
                     marks = [(float(ms), str(n)) for ms, n in out.get("marks", [])]
@@ -164,6 +170,13 @@ def run(ctx: BenchContext) -> Report:
     report.data["params"] = {"contexts": p.contexts, "query": p.queries[0], "n": p.num_queries}
     report.data["mark_timeline_ms"] = _mark_timelines(samples)
     return report
+
+
+def query_order(i: int) -> tuple[str, ...]:
+    """The engines in the order query ``i`` runs on them: ``ENGINES`` rotated by ``i``, so
+    over any ``len(ENGINES)`` consecutive queries each engine runs once in every place."""
+    k = i % len(ENGINES)
+    return ENGINES[k:] + ENGINES[:k]
 
 
 def _contexts(quick: bool) -> str:
@@ -197,27 +210,30 @@ def _write(
 ) -> None:
     table = report.table(
         "Median TTFT and paired differences (ms)",
-        ["context", "engine", "TTFT", "minus (c): median", "p25", "p75", "cached tokens"],
+        ["context", "engine", "TTFT", "minus (c): median", "its 90% interval", "p25", "p75"]
+        + ["cached tokens"],
     )
-    gaps: dict[int, float] = {}  # (b) - (c), paired median, per context
+    gaps: dict[int, Gap] = {}  # (b) - (c), paired, per context
     for context, base in samples["c"].items():
         for name in ENGINES:
             runs = samples[name][context]
-            diffs = _paired(runs, base)
+            gap = Gap.of(_paired(runs, base))
             table.add(
                 context,
                 f"({name})",
                 median([s.ttft_ms for s in runs]),
-                median(diffs),
-                percentile(diffs, 25),
-                percentile(diffs, 75),
+                gap.median,
+                f"{gap.low:.2f} to {gap.high:.2f}",
+                percentile(gap.diffs, 25),
+                percentile(gap.diffs, 75),
                 median([float(s.num_cached_tokens) for s in runs]),
             )
             if name == "b":
-                gaps[context] = median(diffs)
+                gaps[context] = gap
     table.notes += [
-        "Each query ran on every engine in turn, the engine idle before it; 'minus (c)' is "
-        "the median (and quartiles) of the per-query differences to (c).",
+        "Each query ran on every engine in turn (in a rotating order), the engine idle before "
+        "it; 'minus (c)' is the median (and quartiles) of the per-query differences to (c); "
+        f"its interval, a {GAP_LEVEL:.0%} percentile bootstrap of that median (seeded).",
         "(c) prefix cache, no connector; (cn) + a no-op KV connector; (cp) + the plugin, "
         "hitting vLLM's own cache; (b) fresh engine, prefix cache off, loaded from the server.",
     ]

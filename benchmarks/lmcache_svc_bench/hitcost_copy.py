@@ -39,7 +39,27 @@ from typing import Any
 import numpy as np
 
 from lmcache_svc_bench.report import Report
-from lmcache_svc_bench.stats import median
+from lmcache_svc_bench.stats import median, median_interval
+
+GAP_LEVEL = 0.9  # coverage of the interval given with each paired median
+
+
+@dataclass(frozen=True)
+class Gap:
+    """Per-query differences of one engine's TTFT to (c)'s (ms), their median and that
+    median's percentile-bootstrap interval (``GAP_LEVEL``): how far the pairs' noise lets
+    the median move."""
+
+    diffs: list[float]
+    median: float
+    low: float
+    high: float
+
+    @classmethod
+    def of(cls, diffs: list[float]) -> Gap:
+        low, high = median_interval(diffs, level=GAP_LEVEL)
+        return cls(diffs, median(diffs), low, high)
+
 
 _CACHE_SIZE_LINE = re.compile(r"KV cache size: ([\d,]+) tokens")
 
@@ -243,7 +263,7 @@ def copy_table(
 
 def copy_targets(
     report: Report,
-    gaps: dict[int, float],
+    gaps: dict[int, Gap],
     warm: dict[int, float],
     cold: dict[int, float],
     baselines: CopyBaselines,
@@ -272,23 +292,34 @@ def copy_targets(
     )
 
 
+GOAL_MS = 1.0
+
+
 def _worst_target(
     report: Report,
-    gaps: dict[int, float],
+    gaps: dict[int, Gap],
     copy_ms: dict[int, float],
     baseline: Callable[[float], str],
     why_missed: str,
 ) -> None:
-    """(b) - (c) beyond a copy baseline, at the context where it is largest, against 1 ms."""
-    excess = {c: gaps[c] - ms for c, ms in copy_ms.items() if c in gaps}
+    """(b) - (c) beyond a copy baseline, at the context where it is largest, against 1 ms;
+    the name gives the median's interval beyond the baseline, and a miss says whether that
+    interval reaches the goal (the pairs' noise larger than the miss) or lies above it."""
+    excess = {c: gaps[c].median - ms for c, ms in copy_ms.items() if c in gaps}
     if not excess:
         return
     context = max(excess, key=lambda c: excess[c])
+    ms = copy_ms[context]
+    low, high = gaps[context].low - ms, gaps[context].high - ms
+    if low <= GOAL_MS:
+        noise = f"within the noise: the median's interval reaches {low:.2f} ms"
+    else:
+        noise = f"beyond the noise: the median's interval starts at {low:.2f} ms"
     report.target(
-        f"(b) - (c), paired median, beyond the {baseline(copy_ms[context])}, worst context "
-        f"({context}), ms",
+        f"(b) - (c), paired median, beyond the {baseline(ms)}, worst context ({context}; "
+        f"{GAP_LEVEL:.0%} interval {low:.2f} to {high:.2f}), ms",
         excess[context],
-        1.0,
+        GOAL_MS,
         lower_is_better=True,
-        why_missed=why_missed,
+        why_missed=f"{noise}; {why_missed}",
     )

@@ -147,21 +147,66 @@ def test_both_baselines_give_their_own_verdict(
     report = _report_of(b_ttft_6064)
     warm_ms = 6016 * 2048 / 22e9 * 1e3
     warm, cold = report.targets
+    excess = b_ttft_6064 - 45.0 - warm_ms  # the same in every pair: a point interval
     assert warm.name == (
         f"(b) - (c), paired median, beyond the memcpy time of the loaded KV ({warm_ms:.2f} ms "
-        "at 22.0 GB/s, same run), worst context (6064), ms"
+        f"at 22.0 GB/s, same run), worst context (6064; 90% interval {excess:.2f} to "
+        f"{excess:.2f}), ms"
     )
-    assert warm.value == pytest.approx(b_ttft_6064 - 45.0 - warm_ms)
+    assert warm.value == pytest.approx(excess)
     assert cold.name.startswith("(b) - (c), paired median, beyond the cold copy time")
     cold_ms = {583: 0.3, 6064: 1.7}[cold_context]
     assert f"({cold_ms:.2f} ms:" in cold.name and "1024 MiB cache idle 1.3 s" in cold.name
     assert "median of 3" in cold.name
-    assert cold.name.endswith(f"worst context ({cold_context}), ms")
+    assert f"worst context ({cold_context}; 90% interval {cold_excess:.2f} to " in cold.name
     assert cold.value == pytest.approx(cold_excess)
     assert (warm.met, cold.met) == (warm_met, cold_met)
     rows = report.to_markdown().split("### Targets")[1]
     assert rows.count("| met") + rows.count("| MISSED") == 2
     assert ("| MISSED" in rows) == (not (warm_met and cold_met))
+
+
+def test_every_engine_runs_once_in_every_place_over_four_queries() -> None:
+    orders = [hitcost.query_order(i) for i in range(8)]
+    assert orders[0] == ("c", "cn", "cp", "b") and orders[1] == ("cn", "cp", "b", "c")
+    assert orders[4:] == orders[:4]
+    for place in range(4):
+        assert sorted(o[place] for o in orders[:4]) == sorted(hitcost.ENGINES)
+    assert all(sorted(o) == sorted(hitcost.ENGINES) for o in orders)
+
+
+def _noisy_report(b_minus_c: list[float]) -> Report:
+    """(c) at 45 ms and (b) at 45 + each of ``b_minus_c``, one context (6064); warm memcpy
+    at 22 GB/s, cold copies of 0.5 ms."""
+    samples = {
+        name: {6064: [Sample(45.0, 6016, []) for _ in b_minus_c]} for name in ("c", "cn", "cp")
+    }
+    samples["b"] = {6064: [Sample(45.0 + d, 6016, []) for d in b_minus_c]}
+    g = bench_geometry(2048, 4, 128, 128, 524_288)
+    report = Report("hitcost", "full")
+    hitcost._write(report, samples, CopyBaselines(2048, 22.0, g, {6064: [0.5] * 3}, 1.3))
+    return report
+
+
+def test_the_paired_median_comes_with_its_interval_and_a_miss_says_if_noise_covers_it() -> None:
+    # Noisy pairs: the median (2.0) beyond the cold copy (0.5) misses 1 ms, but the
+    # median's interval reaches down below the goal.
+    noisy = [-3.0, -2.0, -1.0, 0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0]
+    report = _noisy_report(noisy)
+    row_b = next(r for r in report.tables[0].rows if r[1] == "(b)")
+    assert row_b[3] == pytest.approx(2.0)
+    low, high = (float(x) for x in row_b[4].split(" to "))
+    assert low < 2.0 < high and low >= -3.0 and high <= 7.0
+    cold = report.targets[1]
+    assert not cold.met and cold.value == pytest.approx(1.5)
+    assert cold.why_missed.startswith(
+        f"within the noise: the median's interval reaches {low - 0.5:.2f} ms"
+    )
+    # Steady pairs at the same median: the interval lies above the goal.
+    steady = _noisy_report([1.9, 2.0, 2.0, 2.0, 2.1] * 2 + [2.0]).targets[1]
+    assert not steady.met and steady.why_missed.startswith(
+        "beyond the noise: the median's interval starts at 1.50 ms"
+    )
 
 
 def test_the_copy_table_puts_the_engines_copy_next_to_both_baselines() -> None:
@@ -200,7 +245,7 @@ def test_quick_mode_end_to_end(tmp_path: Path) -> None:
     ]
     for row in ttfts.rows:
         assert math.isfinite(row[2]) and row[2] > 0
-        assert row[6] == 512  # every engine served the context's whole chunks from a cache
+        assert row[7] == 512  # every engine served the context's whole chunks from a cache
     assert ttfts.rows[0][3] == 0  # (c) minus itself
     assert [r[1] for r in phases.rows] == ["(cn)", "(cp)", "(b)"]
     for row in phases.rows:
