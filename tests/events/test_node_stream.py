@@ -231,7 +231,9 @@ def test_a_snapshot_covers_changes_the_publisher_has_not_applied_yet(node) -> No
     first = store(cache, tokens_of(8, 1))
     assert stall.entered.wait(10)  # the publisher is stuck sending; nothing applies the next
     second = store(cache, tokens_of(9, 1))
-    assert len(events._log.changes) == 1
+    # The second store's change at least is not applied (one of the first's may not be
+    # either: on a loaded host its records can miss the batch the publisher is stuck on).
+    assert len(events._log.changes) >= 1
     got, _ = request(events.publisher.replay_endpoint, b"snapshot:" + TOPIC)
     snap = [e for r in got for e in r.batch.events]
     assert sorted(e.block_hashes for e in snap) == sorted(
