@@ -25,7 +25,9 @@ as a request to a quiet server does. Every engine runs with the plugin's time ma
 The target weighs (b) - (c) against 1 ms plus a copy of the bytes (b) loaded, measured in
 the same run against two baselines (``hitcost_copy.py``), each with its verdict: a warm
 memcpy, and a cold copy (the mover's copies into a destination as large as the engine's KV
-cache, written once and left idle as the engines are before each query).
+cache, written once and left idle as the engines are before each query). (cn) - (c) is the
+control: a no-op connector costs next to nothing, so when that pair is not within 1 ms of
+0 the host, not the plugin, decides the pairs and the targets are not evaluated.
 """
 
 from __future__ import annotations
@@ -214,6 +216,7 @@ def _write(
         + ["cached tokens"],
     )
     gaps: dict[int, Gap] = {}  # (b) - (c), paired, per context
+    controls: dict[int, Gap] = {}  # (cn) - (c): the pairs' own error
     for context, base in samples["c"].items():
         for name in ENGINES:
             runs = samples[name][context]
@@ -230,6 +233,8 @@ def _write(
             )
             if name == "b":
                 gaps[context] = gap
+            elif name == "cn":
+                controls[context] = gap
     table.notes += [
         "Each query ran on every engine in turn (in a rotating order), the engine idle before "
         "it; 'minus (c)' is the median (and quartiles) of the per-query differences to (c); "
@@ -241,7 +246,7 @@ def _write(
     loaded = {c: median([float(s.num_cached_tokens) for s in r]) for c, r in samples["b"].items()}
     engine_copies = {c: _median_copy_ms(r) for c, r in samples["b"].items()}
     warm, cold = copy_table(report, loaded, engine_copies, baselines)
-    copy_targets(report, gaps, warm, cold, baselines)
+    copy_targets(report, gaps, warm, cold, baselines, controls)
 
 
 def _median_copy_ms(runs: Sequence[Sample]) -> float | None:

@@ -52,16 +52,22 @@ class Target:
     unit: str = ""
     lower_is_better: bool = False
     why_missed: str = ""
+    not_evaluated: str = ""  # why this run cannot judge it (then never met, whatever the value)
 
     @property
     def met(self) -> bool:
+        if self.not_evaluated:
+            return False
         return self.value <= self.goal if self.lower_is_better else self.value >= self.goal
 
     def to_markdown_row(self) -> list[Any]:
         sign = "<=" if self.lower_is_better else ">="
-        verdict = (
-            "met" if self.met else "MISSED" + (f": {self.why_missed}" if self.why_missed else "")
-        )
+        if self.not_evaluated:
+            verdict = f"NOT EVALUATED: {self.not_evaluated}"
+        elif self.met:
+            verdict = "met"
+        else:
+            verdict = "MISSED" + (f": {self.why_missed}" if self.why_missed else "")
         return [
             self.name,
             f"{_cell(self.value)}{self.unit}",

@@ -209,6 +209,30 @@ def test_the_paired_median_comes_with_its_interval_and_a_miss_says_if_noise_cove
     )
 
 
+def test_a_control_pair_off_zero_leaves_the_targets_not_evaluated() -> None:
+    """(cn) - (c) far from 0 (a host that treats the engines differently): whatever (b)
+    shows, no verdict is given."""
+    samples = {
+        "c": {6064: [Sample(120.0, 6016, []) for _ in range(5)]},
+        "cn": {6064: [Sample(52.0 + i, 6016, []) for i in range(5)]},
+        "cp": {6064: [Sample(50.0, 6016, []) for _ in range(5)]},
+        "b": {6064: [Sample(100.0, 6016, []) for _ in range(5)]},  # "faster" than (c)
+    }
+    g = bench_geometry(2048, 4, 128, 128, 524_288)
+    report = Report("hitcost", "full")
+    hitcost._write(report, samples, CopyBaselines(2048, 22.0, g, {6064: [0.5] * 3}, 1.3))
+    assert len(report.targets) == 2
+    for target in report.targets:
+        assert target.value < 1.0 and not target.met  # the value alone would have met it
+        assert target.not_evaluated.startswith("the control pair (cn) - (c) is -66.00 ms")
+        assert target.to_markdown_row()[3].startswith("NOT EVALUATED: the control pair")
+    # A control within 1 ms of 0 leaves the verdicts to the values.
+    samples["cn"] = {6064: [Sample(120.0 + d, 6016, []) for d in (-0.5, 0.0, 0.2, 0.4, 0.3)]}
+    report = Report("hitcost", "full")
+    hitcost._write(report, samples, CopyBaselines(2048, 22.0, g, {6064: [0.5] * 3}, 1.3))
+    assert all(t.met and not t.not_evaluated for t in report.targets)
+
+
 def test_the_copy_table_puts_the_engines_copy_next_to_both_baselines() -> None:
     report = _report_of(47.5)
     table = report.tables[-1]
