@@ -174,7 +174,7 @@ def test_a_save_that_does_not_follow_the_forward_pass_is_caught(
     def save_without_following(self: PageMover, chunks: Any, layers: Any = None) -> LayerEvents:
         todo = range(len(self.pages.layers)) if layers is None else layers
         with self.stream.activate():  # planted: no follow_current() first
-            ids = self._block_ids(chunks)
+            ids = self._gather_ids(chunks)
             return LayerEvents([self._save_layer(i, chunks, ids) for i in todo])
 
     clear_server(server)

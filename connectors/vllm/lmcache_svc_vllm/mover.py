@@ -119,12 +119,13 @@ class PageMover:
         if self._host is not None and self.gather == "runs":
             return LayerEvents(self._save_host(todo, chunks) or [self.stream.record()])
         with self.stream.activate():
-            ids = self._block_ids(chunks)  # once: every layer and group reads it
             if self._groups_whole(chunks, 0):
+                ids = self._block_ids(chunks)  # once: every group reads it
                 groups = self._layer_groups(todo)
                 events = [e for grp in groups for e in self._save_group(grp, chunks, ids)]
             else:
-                events = [self._save_layer(i, chunks, ids) for i in todo]
+                gather = self._gather_ids(chunks)
+                events = [self._save_layer(i, chunks, gather) for i in todo]
         # With no layer left (all saved layer by layer), the event still marks the copies
         # enqueued before: the caller's synchronize() waits for them before committing.
         return LayerEvents(events or [self.stream.record()])
@@ -141,10 +142,13 @@ class PageMover:
             events.append(self.stream.record())
         return events
 
-    def _save_layer(self, layer: int, chunks: Sequence[ChunkSave], ids: torch.Tensor) -> CopyEvent:
+    def _save_layer(
+        self, layer: int, chunks: Sequence[ChunkSave], ids: torch.Tensor | None
+    ) -> CopyEvent:
+        """``ids``: the chunks' block ids to gather, or None: copy each chunk's runs."""
         kv = self.pages.layers[layer]
         nb = self._non_blocking
-        if self.gather == "runs" or all(_is_run(c.block_ids) for c in chunks):
+        if ids is None:
             for c in chunks:
                 for start, block, n in runs_of(c.block_ids):
                     c.dst[layer, start : start + n].copy_(kv[block : block + n], non_blocking=nb)
@@ -167,11 +171,12 @@ class PageMover:
         srcs = [self._chunk_tensor(c.src) for c in chunks]
         layers = range(len(self.pages.layers))
         with self.stream.activate():
-            ids = self._block_ids(chunks)  # once: every layer and group reads it
             if self._groups_whole(chunks, max((c.first_block for c in chunks), default=0)):
+                ids = self._block_ids(chunks)  # once: every group reads it
                 groups = self._layer_groups(layers)
                 return LayerEvents([e for g in groups for e in self._load_group(g, srcs, ids)])
-            return LayerEvents([self._load_layer(i, chunks, srcs, ids) for i in layers])
+            gather = self._gather_ids(chunks)
+            return LayerEvents([self._load_layer(i, chunks, srcs, gather) for i in layers])
 
     def _load_host(self, chunks: Sequence[ChunkLoad]) -> list[CopyEvent]:
         assert self._host is not None
@@ -192,11 +197,12 @@ class PageMover:
         layer: int,
         chunks: Sequence[ChunkLoad],
         srcs: Sequence[torch.Tensor],
-        ids: torch.Tensor,
+        ids: torch.Tensor | None,
     ) -> CopyEvent:
+        """``ids``: the chunks' block ids to scatter to, or None: copy each chunk's runs."""
         kv = self.pages.layers[layer]
         nb = self._non_blocking
-        if self.gather == "runs" or all(_is_run(c.block_ids) for c in chunks):
+        if ids is None:
             for c, src in zip(chunks, srcs):
                 for start, block, n in runs_of(c.block_ids):
                     first = c.first_block + start
@@ -258,6 +264,13 @@ class PageMover:
         if self.pages.device.type != "cuda":
             return ids.to(self.pages.device)
         return ids.pin_memory().to(self.pages.device, non_blocking=True)
+
+    def _gather_ids(self, chunks: Sequence[ChunkSave] | Sequence[ChunkLoad]) -> torch.Tensor | None:
+        """For copies layer by layer: the block ids to gather or scatter through (made once
+        for every layer), or None when each chunk's runs are copied as they are."""
+        if self.gather == "runs" or all(_is_run(c.block_ids) for c in chunks):
+            return None
+        return self._block_ids(chunks)
 
     def _of_batch(self, ids: torch.Tensor, batch: range) -> torch.Tensor:
         """The block ids of a batch of whole chunks (a view of the load's or save's ids)."""
