@@ -41,6 +41,13 @@ SLACK_S = 10.0
 FAILED_BLOCKS = "vllm:lmcache_svc_load_failed_blocks"
 LOOKUP_FAILURES = "vllm:lmcache_svc_lookup_failures"
 IN_PLACE = "vllm:lmcache_svc_load_in_place_chunks"
+HEALTHY_TRIES = 3
+DIAGNOSED = (
+    LOOKUP_FAILURES,
+    "vllm:lmcache_svc_lookups_deferred",
+    FAILED_BLOCKS,
+    "vllm:external_prefix_cache_hits",
+)
 
 
 @pytest.mark.parametrize("fault", ["kill", "stop"])
@@ -51,9 +58,7 @@ def test_requests_survive_sidecar_fault_under_load(env: Env, fault: Fault) -> No
     _check(env, prompts, env.a.generate(prompts, MAX_TOKENS))
     bound_s = 3 * (time.monotonic() - start) + len(prompts) * PER_REQUEST_S + SLACK_S
     wait_stored(env, prompts)
-    env.b.reset_prefix_cache()
-    healthy = _check(env, prompts, env.b.generate(prompts, MAX_TOKENS))
-    assert all(o["num_cached_tokens"] == 512 for o in healthy), "b did not load before the fault"
+    _loads_before_fault(env, prompts)
 
     before = env.b.metrics()
     _arm(env, fault)
@@ -72,6 +77,24 @@ def test_requests_survive_sidecar_fault_under_load(env: Env, fault: Fault) -> No
     assert delta(outage, before, LOOKUP_FAILURES) >= 1  # and b's scheduler saw the outage
 
     assert hits_again(env, prompts, deadline_s=60), "b never loaded from the server again"
+
+
+def _loads_before_fault(env: Env, prompts: list[list[int]]) -> None:
+    """``b`` loads both chunks of every prompt while the server is healthy. A lookup the
+    scheduler gives up on (out for over two ``lookup_timeout_ms``: a miss, by design, on a
+    stalled host) spoils a try; up to ``HEALTHY_TRIES`` tries, and a failure says what
+    ``b``'s plugin counted in each (CI saw one such miss on a loaded 2-vCPU host)."""
+    tries = []
+    for _ in range(HEALTHY_TRIES):
+        env.b.reset_prefix_cache()
+        before = env.b.metrics()
+        outputs = _check(env, prompts, env.b.generate(prompts, MAX_TOKENS))
+        after = env.b.metrics()
+        cached = [o["num_cached_tokens"] for o in outputs]
+        if all(n == 512 for n in cached):
+            return
+        tries.append({"cached": cached, **{m: delta(after, before, m) for m in DIAGNOSED}})
+    raise AssertionError(f"b did not load before the fault, in {HEALTHY_TRIES} tries: {tries}")
 
 
 def _arm(env: Env, fault: Fault) -> None:
