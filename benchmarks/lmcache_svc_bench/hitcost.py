@@ -14,7 +14,13 @@ compared as pairs:
   b    a fresh engine, vLLM's prefix cache off, the context loaded from the server (a hit)
 
 The engines take each query in a rotating order (the first query c, cn, cp, b; the next cn,
-cp, b, c; ...), so no engine always runs first or right after another one.
+cp, b, c; ...), so no engine always runs first or right after another one. And the queries
+are split into rounds (``--set engine_rounds=N``, 3 by default, 2 in ``--quick``): each round
+starts every engine afresh, in an order rotated by the round, so no engine is always the
+first one up. An engine process carries a bias of its own: on one host (2 vCPUs, Intel)
+two identical plain engines differed by 2-4 ms at the median, and whichever was started
+first was the slower one (both start orders tried). One fixed start order put that bias
+into every pair with (c).
 
 Between two requests the driver waits ``IDLE_S``: vLLM's shared-memory readers busy-loop for
 a second after each read (``SpinCondition`` in vLLM's ``shm_broadcast.py``), and an engine
@@ -67,6 +73,7 @@ from lmcache_svc_bench.vllm_common import (
 from lmcache_svc_bench.vllm_ttft import (
     PLUGIN_DEFAULT_CHUNK,
     Setup,
+    Workload,
     plugin_config,
     write_contexts,
 )
@@ -114,12 +121,15 @@ def run(ctx: BenchContext) -> Report:
     )
     p.check()
     cold_repeats = ctx.option("cold_repeats", 3 if quick else 7)
+    rounds = ctx.option("engine_rounds", 2 if quick else 3)
+    if not 1 <= rounds <= p.num_queries:
+        raise ValueError(f"engine_rounds must be 1 to num_queries ({p.num_queries}), got {rounds}")
     shape = shape_named(p.model)
     workload = make_workload(p)
     model_dir = make_model(ctx.work_dir, p.model)
     server = start_server(ctx.work_dir, "--cpu-bytes", "256MiB", "--prefault", "sync")
-    engines: dict[str, EngineProc] = {}
     samples: dict[str, dict[int, list[Sample]]] = {name: {} for name in ENGINES}
+    prompts = {cell: list(workload.prompts(cell)) for cell in workload.queries}
     try:
         setup = Setup(model_dir, ctx.work_dir, server.socket, None, ctx.progress)
         config = plugin_config(setup, None, tenant="b")
@@ -128,50 +138,90 @@ def run(ctx: BenchContext) -> Report:
         wait_for_commits(server.socket, num_chunks)
         kv_configs = {"c": None, "cn": NOOP_CONNECTOR, "b": config}
         kv_configs["cp"] = plugin_config(setup, None, tenant="cp")
-        for name in ENGINES:
-            ctx.progress(f"starting engine {name}")
-            engines[name] = start_engine(
-                f"hitcost-{name}",
-                model_dir,
-                ctx.work_dir,
-                kv_config=kv_configs[name],
-                prefix_caching=name != "b",
-                kv_cache_gib=KV_CACHE_GIB,
-                trace=ctx.work_dir / f"trace-hitcost-{name}.txt",
-            )
-        for name, engine in engines.items():
-            time.sleep(IDLE_S)
-            engine.ttft(workload.warmup, workload.max_tokens)
-            if name != "b":
-                for context in workload.contexts.values():
-                    engine.generate([context], 1)
-        for cell in workload.queries:
-            for i, prompt in enumerate(workload.prompts(cell)):
-                for name in query_order(i):
-                    engine = engines[name]
-                    time.sleep(IDLE_S)
-                    out = engine.ttft(prompt, workload.max_tokens)
-                    marks = [(float(ms), str(n)) for ms, n in out.get("marks", [])]
-                    sample = Sample(out["ttft_s"] * 1e3, int(out["num_cached_tokens"]), marks)
-                    samples[name].setdefault(cell[0], []).append(sample)
-                ctx.progress(f"  context {cell[0]}: query {i + 1} of {p.num_queries}")
-        # With the engines up and idle, as they are before each query.
-        logged_tokens = engine_cache_tokens(engines["b"].log_path)
-        geometry = _geometry(shape, logged_tokens)
-        source = "as (b) logged" if logged_tokens else "configured; (b) logged no size"
-        ctx.progress(f"cold copies into a cache of {geometry.num_blocks} blocks ({source})")
-        cold = _cold_copies(ctx, geometry, samples["b"], cold_repeats)
+        for r in range(rounds):
+            engines: dict[str, EngineProc] = {}
+            try:
+                for name in start_order(r):
+                    ctx.progress(f"round {r + 1} of {rounds}: starting engine {name}")
+                    engines[name] = start_engine(
+                        f"hitcost-{name}-{r}",
+                        model_dir,
+                        ctx.work_dir,
+                        kv_config=kv_configs[name],
+                        prefix_caching=name != "b",
+                        kv_cache_gib=KV_CACHE_GIB,
+                        trace=ctx.work_dir / f"trace-hitcost-{name}-{r}.txt",
+                    )
+                _warm(engines, workload)
+                for cell, cell_prompts in prompts.items():
+                    for i in round_queries(r, rounds, len(cell_prompts)):
+                        _query(engines, i, cell_prompts[i], workload.max_tokens, samples, cell[0])
+                        ctx.progress(f"  context {cell[0]}: query {i + 1} of {p.num_queries}")
+                if r == rounds - 1:  # with the engines up and idle, as before each query
+                    logged_tokens = engine_cache_tokens(engines["b"].log_path)
+                    geometry = _geometry(shape, logged_tokens)
+                    source = "as (b) logged" if logged_tokens else "configured; (b) logged no size"
+                    ctx.progress(
+                        f"cold copies into a cache of {geometry.num_blocks} blocks ({source})"
+                    )
+                    cold = _cold_copies(ctx, geometry, samples["b"], cold_repeats)
+            finally:
+                for engine in engines.values():
+                    engine.close()
     finally:
-        for engine in engines.values():
-            engine.close()
         server.cleanup()
     report = ctx.report()
     baselines = CopyBaselines(kv_bytes_per_token(shape), memcpy_gbps(), geometry, cold, IDLE_S)
     _write(report, samples, baselines)
     report.data["copy_baselines"]["cache_tokens_logged"] = logged_tokens
-    report.data["params"] = {"contexts": p.contexts, "query": p.queries[0], "n": p.num_queries}
+    report.data["params"] = {
+        "contexts": p.contexts,
+        "query": p.queries[0],
+        "n": p.num_queries,
+        "engine_rounds": rounds,
+    }
     report.data["mark_timeline_ms"] = _mark_timelines(samples)
     return report
+
+
+def _warm(engines: dict[str, EngineProc], workload: Workload) -> None:
+    """Each engine's first request, then (all but (b)) the contexts into vLLM's own cache."""
+    for name, engine in engines.items():
+        time.sleep(IDLE_S)
+        engine.ttft(workload.warmup, workload.max_tokens)
+        if name != "b":
+            for context in workload.contexts.values():
+                engine.generate([context], 1)
+
+
+def _query(
+    engines: dict[str, EngineProc],
+    i: int,
+    prompt: list[int],
+    max_tokens: int,
+    samples: dict[str, dict[int, list[Sample]]],
+    context: int,
+) -> None:
+    """Query ``i`` on every engine in its turn, each idle ``IDLE_S`` before it."""
+    for name in query_order(i):
+        time.sleep(IDLE_S)
+        out = engines[name].ttft(prompt, max_tokens)
+        marks = [(float(ms), str(n)) for ms, n in out.get("marks", [])]
+        sample = Sample(out["ttft_s"] * 1e3, int(out["num_cached_tokens"]), marks)
+        samples[name].setdefault(context, []).append(sample)
+
+
+def start_order(r: int) -> tuple[str, ...]:
+    """The order round ``r`` starts its engines in: ``ENGINES`` rotated by ``r``, so no
+    engine is always the first one up (on one host the first engine started ran 2-4 ms
+    slower than an identical one started after it, whatever its name)."""
+    k = r % len(ENGINES)
+    return ENGINES[k:] + ENGINES[:k]
+
+
+def round_queries(r: int, rounds: int, num_queries: int) -> range:
+    """The queries of round ``r`` of ``rounds``: consecutive, as even a share as can be."""
+    return range(r * num_queries // rounds, (r + 1) * num_queries // rounds)
 
 
 def query_order(i: int) -> tuple[str, ...]:
@@ -237,7 +287,8 @@ def _write(
                 controls[context] = gap
     table.notes += [
         "Each query ran on every engine in turn (in a rotating order), the engine idle before "
-        "it; 'minus (c)' is the median (and quartiles) of the per-query differences to (c); "
+        "it, in rounds of fresh engines started in a rotated order (the run's params say how "
+        "many); 'minus (c)' is the median (and quartiles) of the per-query differences to (c); "
         f"its interval, a {GAP_LEVEL:.0%} percentile bootstrap of that median (seeded).",
         "(c) prefix cache, no connector; (cn) + a no-op KV connector; (cp) + the plugin, "
         "hitting vLLM's own cache; (b) fresh engine, prefix cache off, loaded from the server.",

@@ -175,6 +175,20 @@ def test_every_engine_runs_once_in_every_place_over_four_queries() -> None:
     assert all(sorted(o) == sorted(hitcost.ENGINES) for o in orders)
 
 
+def test_every_engine_is_started_first_in_some_round() -> None:
+    orders = [hitcost.start_order(r) for r in range(4)]
+    assert orders[0] == hitcost.ENGINES and orders[1] == ("cn", "cp", "b", "c")
+    assert sorted(o[0] for o in orders) == sorted(hitcost.ENGINES)
+    assert all(sorted(o) == sorted(hitcost.ENGINES) for o in orders)
+
+
+@pytest.mark.parametrize("rounds, num_queries", [(1, 5), (2, 2), (3, 41), (3, 11), (4, 4)])
+def test_the_rounds_share_out_every_query_once_in_order(rounds: int, num_queries: int) -> None:
+    shares = [hitcost.round_queries(r, rounds, num_queries) for r in range(rounds)]
+    assert [i for share in shares for i in share] == list(range(num_queries))
+    assert max(map(len, shares)) - min(map(len, shares)) <= 1
+
+
 def _noisy_report(b_minus_c: list[float]) -> Report:
     """(c) at 45 ms and (b) at 45 + each of ``b_minus_c``, one context (6064); warm memcpy
     at 22 GB/s, cold copies of 0.5 ms."""
