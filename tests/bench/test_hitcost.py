@@ -189,6 +189,19 @@ def test_the_rounds_share_out_every_query_once_in_order(rounds: int, num_queries
     assert max(map(len, shares)) - min(map(len, shares)) <= 1
 
 
+@pytest.mark.parametrize("rounds", ["0", "3"])
+def test_rounds_outside_one_to_the_queries_are_refused_before_anything_starts(
+    tmp_path: Path, rounds: str
+) -> None:
+    if not VLLM_PYTHON.exists():
+        pytest.skip(f"{VLLM_PYTHON} is missing: run scripts/setup_vllm.sh first")
+    with pytest.raises(
+        ValueError, match=rf"engine_rounds must be 1 to num_queries \(2\), got {rounds}"
+    ):
+        run_benchmark("hitcost", quick=True, out_dir=tmp_path, options={"engine_rounds": rounds})
+    assert not list(tmp_path.rglob("engine-*.log"))  # no engine was started
+
+
 def _noisy_report(b_minus_c: list[float]) -> Report:
     """(c) at 45 ms and (b) at 45 + each of ``b_minus_c``, one context (6064); warm memcpy
     at 22 GB/s, cold copies of 0.5 ms."""
