@@ -27,6 +27,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 import torch
 
 REPO = Path(__file__).resolve().parents[2]
@@ -34,7 +35,7 @@ sys.path.insert(0, str(REPO / "connectors" / "vllm"))
 
 from lmcache_svc_vllm.layout import KVPages  # noqa: E402
 from lmcache_svc_vllm.mover import GROUP_BYTES, ChunkLoad, ChunkSave, PageMover  # noqa: E402
-from lmcache_svc_vllm.pinning import HostPinner, cuda_host_registrar  # noqa: E402
+from lmcache_svc_vllm.pinning import HostPinner, address_of, cuda_host_registrar  # noqa: E402
 from lmcache_svc_vllm.streams import CudaCopyStream, copy_stream_for  # noqa: E402
 
 from lmcache_svc.keys import ChunkKey  # noqa: E402
@@ -181,11 +182,13 @@ def benchmarks(gib: float, repeats: int) -> None:
     pinner.wait_idle()
     register_s = time.perf_counter() - start
     arena_pinned = (_rate(nbytes, d2h, repeats), _rate(nbytes, h2d, repeats))
+    _verify_round_trip(pages, saves, loads)
     by_layer = PageMover(pages, CudaCopyStream("cuda"), group_bytes=0)  # before grouping
     arena_by_layer = (
         _rate(nbytes, lambda: by_layer.save(saves).synchronize(), repeats),
         _rate(nbytes, lambda: by_layer.load(loads).synchronize(), repeats),
     )
+    variants = _mover_variants(pages, saves, loads, nbytes, repeats)
 
     dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
     arena_one_copy = _one_copy_rates(arena.view(first).obj, first.offset, dev, repeats)
@@ -215,11 +218,130 @@ def benchmarks(gib: float, repeats: int) -> None:
             f"{arena_one_copy[i]:.1f} GB/s; arena before registration "
             f"{arena_pageable[i]:.1f} GB/s; plain pageable {plain['pageable'][i]:.1f} GB/s"
         )
+    for (overlap, group, stack), (d2h_rate, h2d_rate) in variants.items():
+        print(
+            f"  the mover, gathers and scatters {'beside' if overlap else 'between'} the "
+            f"copies, {'a group of layers' if stack else 'a layer'} at a time, "
+            f"{group >> 20} MiB per chunk and copy: D2H {d2h_rate:.1f} GB/s "
+            f"({100 * d2h_rate / plain['pinned'][0]:.0f}%), H2D {h2d_rate:.1f} GB/s "
+            f"({100 * h2d_rate / plain['pinned'][1]:.0f}%)"
+        )
     pinner.close()
     saves.clear()  # views of the arena: released before it closes
     loads.clear()
     arena.close()
     _bench_hbm(pages, ids, repeats)
+
+
+def _verify_round_trip(pages: KVPages, saves: list[ChunkSave], loads: list[ChunkLoad]) -> None:
+    """After the timed copies: every slot holds its blocks' pages, and a load into other
+    blocks of fresh KV puts them there (many units of scratch, both streams at work)."""
+    for c in saves:
+        ids = torch.tensor(list(c.block_ids), device="cuda")
+        want = torch.stack([layer.index_select(0, ids) for layer in pages.layers])
+        assert torch.equal(c.dst.to("cuda"), want), "a saved slot differs from its blocks"
+    fresh = KVPages([torch.zeros_like(layer) for layer in pages.layers], BLOCKS_PER_CHUNK)
+    PageMover(fresh, CudaCopyStream("cuda")).load(loads).synchronize()
+    blocks = torch.tensor([b for c in loads for b in c.block_ids], device="cuda")
+    for got, want_layer in zip(fresh.layers, pages.layers):
+        same = torch.equal(got.index_select(0, blocks), want_layer.index_select(0, blocks))
+        assert same, "a loaded block differs from the saved one"
+    print("1 GiB saved and loaded back through the page-locked arena: bytes identical")
+
+
+def _mover_variants(
+    pages: KVPages,
+    saves: list[ChunkSave],
+    loads: list[ChunkLoad],
+    nbytes: int,
+    repeats: int,
+) -> dict[tuple[bool, int, bool], tuple[float, float]]:
+    """D2H and H2D rates of the mover with its gathers and scatters beside the copies (on
+    the side stream) or between them, copies of 4 MiB, 16 MiB or whole chunks, and the
+    layers of a group gathered and scattered together or one by one (between, 4 MiB, one
+    by one: the mover before these options)."""
+    chunk = pages.geometry.chunk_bytes
+    rates = {}
+    for overlap, group, stack in (
+        (True, GROUP_BYTES, True),
+        (True, 4 * GROUP_BYTES, True),
+        (True, chunk, True),
+        (True, GROUP_BYTES, False),
+        (False, GROUP_BYTES, False),
+        (False, chunk, False),
+    ):
+        m = PageMover(
+            pages, CudaCopyStream("cuda"), group_bytes=group, overlap=overlap, stack_layers=stack
+        )
+        rates[(overlap, group, stack)] = (
+            _rate(nbytes, lambda: m.save(saves).synchronize(), repeats),  # noqa: B023
+            _rate(nbytes, lambda: m.load(loads).synchronize(), repeats),  # noqa: B023
+        )
+    return rates
+
+
+def bench_small_loads(repeats: int) -> None:
+    """The fixed cost of a hit on the device: loads of 1, 4 and 16 chunks of 128 tokens
+    (the plugin's default on CUDA: 8 blocks of 16) of a model shaped like an 8B one (32
+    layers, 8 KV heads of 128, bf16: 16 MiB a chunk) from the page-locked arena into
+    scattered blocks, next to one plain pinned copy of the same bytes; and the host time
+    ``load`` takes to enqueue them (what the forward pass's thread spends)."""
+    shape = KVShape(num_layers=32, num_blocks=512, block_size=16, num_kv_heads=8, head_size=128)
+    bpc = 8
+    caches = make_kv_caches(shape, seed=4, device="cuda")
+    pages = KVPages.from_kv_caches(
+        caches, num_blocks=shape.num_blocks, blocks_per_chunk=bpc, page_order=page_order(shape)
+    )
+    g = pages.geometry
+    most = 16
+    arena = Arena.create(most * g.chunk_bytes, slab_bytes=g.chunk_bytes, prefault="sync")
+    slots = [arena.allocate(g.chunk_bytes) for _ in range(most)]
+    first = slots[0]
+    assert first is not None and all(s is not None for s in slots)
+    pinner = HostPinner(*cuda_host_registrar())
+    pinner.add_buffer(arena.view(first))
+    pinner.wait_idle()
+    order = torch.randperm(shape.num_blocks).tolist()
+    for n, stack in ((1, True), (1, False), (4, True), (4, False), (16, True), (16, False)):
+        mover = PageMover(pages, CudaCopyStream("cuda"), stack_layers=stack)
+        loads = [
+            ChunkLoad(arena.view(s), 0, order[i * bpc : (i + 1) * bpc])
+            for i, s in enumerate(slots[:n])
+            if s is not None
+        ]
+        load_ms, enqueue_ms, copy_ms = _time_load(mover, loads, arena.view(first), repeats)
+        print(
+            f"a hit of {n} chunk(s) ({n * bpc * shape.block_size} tokens, "
+            f"{n * g.chunk_bytes >> 20} MiB), {'a group of layers' if stack else 'a layer'} "
+            f"at a time: load {load_ms:.3f} ms (enqueued in {enqueue_ms:.3f} ms) vs one "
+            f"plain pinned copy {copy_ms:.3f} ms: {load_ms - copy_ms:+.3f} ms"
+        )
+        loads.clear()  # views of the arena: released before it closes
+    pinner.close()
+    arena.close()
+
+
+def _time_load(
+    mover: PageMover, loads: list[ChunkLoad], first: memoryview, repeats: int
+) -> tuple[float, float, float]:
+    """Milliseconds (medians): the whole load, the host's time to enqueue it, and one
+    plain pinned copy of the same number of bytes from the arena's first slots."""
+    nbytes = len(loads) * mover.pages.geometry.chunk_bytes
+    start_at = first.obj  # the whole mapping: the slots lie one after another
+    offset = np.frombuffer(first, dtype=np.uint8).ctypes.data - address_of(start_at)
+    host = torch.frombuffer(start_at, dtype=torch.uint8)[offset : offset + nbytes]
+    dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    enqueue: list[float] = []
+
+    def load() -> None:
+        start = time.perf_counter()
+        events = mover.load(loads)
+        enqueue.append(time.perf_counter() - start)
+        events.synchronize()
+
+    load_s = nbytes / _rate(nbytes, load, repeats) / 1e9
+    copy_s = nbytes / _rate(nbytes, lambda: dev.copy_(host, non_blocking=True), repeats) / 1e9
+    return 1e3 * load_s, 1e3 * statistics.median(enqueue), 1e3 * copy_s
 
 
 def _one_copy_rates(
@@ -413,6 +535,7 @@ def main(argv: list[str] | None = None) -> int:
     probe_straddling()
     if not args.skip_bench:
         benchmarks(args.gib, args.repeats)
+        bench_small_loads(args.repeats)
         for group_bytes in (0, GROUP_BYTES):
             bench_layer_waits(args.repeats, group_bytes)
         bench_registration(args.register_gib)

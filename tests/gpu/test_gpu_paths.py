@@ -79,3 +79,38 @@ def test_copies_through_any_slot_of_a_registered_mapping() -> None:
     pinner.close()
     assert pinner.registered == []
     mm.close()
+
+
+@pytest.mark.parametrize("overlap", [True, False], ids=["side-stream", "one-stream"])
+def test_grouped_copies_of_many_units_round_trip(
+    monkeypatch: pytest.MonkeyPatch, overlap: bool
+) -> None:
+    """Saves and loads of whole chunks in several units (2 groups of 4 layers x 2 batches
+    of 2 chunks), the units taking turns with two scratch buffers while the copies run
+    beside the gathers and scatters (one stream: one buffer, 2 units of 4 chunks), between
+    page-locked slots and scattered blocks."""
+    import torch
+    from lmcache_svc_vllm import mover as mover_module
+    from lmcache_svc_vllm.mover import ChunkLoad, ChunkSave, PageMover
+    from lmcache_svc_vllm.streams import CudaCopyStream
+
+    from tests.gpu.check import LOADED, SAVED, make_pages
+
+    src, dst = make_pages(seed=11), make_pages(seed=12)
+    g = src.geometry
+    monkeypatch.setattr(mover_module, "SCRATCH_BYTES", 2 * g.chunk_bytes)  # 2 x 2 groups
+    slots = torch.empty((len(SAVED), g.chunk_bytes), dtype=torch.uint8, pin_memory=True)
+    chunks = [slot.view(g.num_layers, g.blocks_per_chunk, g.page_bytes) for slot in slots]
+    stream = CudaCopyStream("cuda")
+    mover = PageMover(src, stream, overlap=overlap)
+    assert len(mover._units(len(SAVED), range(g.num_layers))) == (4 if overlap else 2)
+    mover.save([ChunkSave(ids, c) for ids, c in zip(SAVED, chunks)]).synchronize()
+    for ids, chunk in zip(SAVED, chunks):
+        index = torch.tensor(ids, device="cuda")
+        want = torch.stack([layer.index_select(0, index) for layer in src.layers])
+        assert torch.equal(chunk.cuda(), want)
+    loads = [ChunkLoad(c, 0, ids) for c, ids in zip(chunks, LOADED)]
+    PageMover(dst, stream, overlap=overlap).load(loads).synchronize()
+    for s_layer, d_layer in zip(src.layers, dst.layers):
+        for saved, loaded in zip(SAVED, LOADED):
+            assert torch.equal(d_layer[loaded], s_layer[saved])

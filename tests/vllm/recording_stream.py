@@ -20,7 +20,12 @@ The checks, each recorded as a violation (they may run on the plugin's I/O threa
 - ``use_layer(kv)``: the forward pass reads a layer: no copy into it may be pending;
 - ``guard(link)``: ``link.release`` of a lease, while a copy still reads its slots;
   ``link.publish`` of a reservation (commit or give back), while a copy still writes them;
-- a copy that reads memory the compute stream wrote after the last ``follow_current``.
+- a copy that reads memory the compute stream wrote after the last ``follow_current``;
+- two streams: ``side()`` gives a second recording stream (the mover's gathers and
+  scatters run there, beside the copies); an op on one that touches memory an op on the
+  other touched, reading or writing where either writes, must be ordered after it by an
+  event (``record`` there, ``wait_for`` here), or it is a race. Each stream keeps a vector
+  clock: which ops of each stream its next op is ordered after.
 """
 
 from __future__ import annotations
@@ -58,14 +63,28 @@ def overlaps(a: Span, b: Span) -> bool:
 
 @dataclass(frozen=True, slots=True)
 class Op:
-    seq: int  # position in the stream, from 1
+    stream: int  # 0: the copy stream, 1: its side stream
+    seq: int  # position in its stream, from 1
     name: str
     reads: tuple[Span, ...]
     writes: tuple[Span, ...]
 
+    def __str__(self) -> str:
+        return f"#{self.seq}{'' if self.stream == 0 else ' (side)'} {self.name}"
+
+    def conflicts(self, other: Op) -> bool:
+        """Either writes memory the other reads or writes."""
+        return any(overlaps(w, m) for w in self.writes for m in other.reads + other.writes) or any(
+            overlaps(r, w) for r in self.reads for w in other.writes
+        )
+
+
+Clock = tuple[int, int]  # per stream: the ops ordered before a point (its stream's vector)
+
 
 class _Recorder(TorchFunctionMode):
-    """Records the data-moving tensor ops issued while the stream is active."""
+    """Records the data-moving tensor ops issued while the stream is active; an indexed
+    op reads or writes only the rows its index names."""
 
     def __init__(self, stream: RecordingStream) -> None:
         super().__init__()
@@ -76,45 +95,85 @@ class _Recorder(TorchFunctionMode):
         out = func(*args, **kwargs)
         name = getattr(func, "__name__", "")
         if name == "copy_":
-            self.stream.enqueue(name, reads=[args[1]], writes=[args[0]])
+            self.stream.enqueue(name, reads=spans(args[1]), writes=spans(args[0]))
         elif name == "index_copy_":
-            self.stream.enqueue(name, reads=[kwargs.get("source", args[-1])], writes=[args[0]])
+            target, dim, index = args[0], args[1], args[2]
+            source = kwargs.get("source", args[-1])
+            self.stream.enqueue(name, reads=spans(source), writes=rows(target, dim, index))
         elif name == "index_select":
-            self.stream.enqueue(name, reads=[args[0]], writes=[out])
+            self.stream.enqueue(name, reads=rows(args[0], args[1], args[2]), writes=spans(out))
+        elif name == "__setitem__" and isinstance(args[2], torch.Tensor):
+            target, index = args[0], args[1]
+            written = rows(target, 0, index) if isinstance(index, torch.Tensor) else None
+            self.stream.enqueue(name, reads=spans(args[2]), writes=written or spans(target[index]))
         return out
 
 
+def spans(t: torch.Tensor) -> tuple[Span, ...]:
+    return (tensor_span(t),)
+
+
+def rows(t: torch.Tensor, dim: int, index: torch.Tensor) -> tuple[Span, ...]:
+    """The rows of ``t`` that ``index`` names along dimension 0 (else all of ``t``)."""
+    if dim != 0:
+        return spans(t)
+    return tuple(tensor_span(t[i]) for i in index.flatten().tolist())
+
+
 class RecordedEvent:
-    def __init__(self, stream: RecordingStream, seq: int) -> None:
+    def __init__(self, stream: RecordingStream, clock: Clock) -> None:
         self.stream = stream
-        self.seq = seq
+        self.clock = clock
 
     def synchronize(self) -> None:
-        self.stream.host_synchronized(self.seq)
+        self.stream.host_synchronized(self.clock)
 
     def wait_on_device(self) -> None:
-        self.stream.device_waited(self.seq)
+        self.stream.device_waited(self.clock)
 
     def query(self) -> bool:
-        return self.seq <= self.stream.host_done
+        return all(c <= d for c, d in zip(self.clock, self.stream.host_done))
+
+
+class _Shared:
+    """What the two streams of one device share: the ops, the log and the checks."""
+
+    def __init__(self) -> None:
+        self.ops: list[Op] = []
+        self.log: list[str] = []
+        self.violations: list[str] = []
+        self.host_done: Clock = (0, 0)  # the ops complete, as far as the host knows
+        self.device_visible: Clock = (0, 0)  # ... as far as the compute stream knows
+        self.num_layer_uses = self.num_releases = self.num_publishes = 0
+        self.compute_writes: list[tuple[int, Span]] = []  # (compute clock, memory)
+        self.compute_clock = 0
+        self.lock = threading.Lock()
+
+
+def _later(a: Clock, b: Clock) -> Clock:
+    return (max(a[0], b[0]), max(a[1], b[1]))
 
 
 class RecordingStream:
     """A ``CopyStream`` (streams.py) for CPU tensors that records the order of copies,
     event records, waits, releases and commits, and the ones out of order."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, _main: RecordingStream | None = None) -> None:
         self.device = torch.device("cpu")
-        self.ops: list[Op] = []
-        self.log: list[str] = []
-        self.violations: list[str] = []
-        self.host_done = 0  # every op up to this one completed, as far as the host knows
-        self.device_visible = 0  # ... as far as the compute stream knows
-        self.num_layer_uses = self.num_releases = self.num_publishes = 0
-        self._compute_writes: list[tuple[int, Span]] = []  # (compute clock, memory)
-        self._compute_clock = 0
-        self._followed = 0  # compute clock the copy stream was last ordered after
-        self._lock = threading.Lock()
+        self._shared = _main._shared if _main is not None else _Shared()
+        self.index = 0 if _main is None else 1
+        self._clock: Clock = (0, 0)
+        self._followed = 0  # compute clock this stream was last ordered after
+        self._side: RecordingStream | None = None
+
+    # what both streams share, for the tests
+    ops = property(lambda self: self._shared.ops)
+    log = property(lambda self: self._shared.log)
+    violations = property(lambda self: self._shared.violations)
+    host_done = property(lambda self: self._shared.host_done)
+    num_layer_uses = property(lambda self: self._shared.num_layer_uses)
+    num_releases = property(lambda self: self._shared.num_releases)
+    num_publishes = property(lambda self: self._shared.num_publishes)
 
     # -- the CopyStream protocol -----------------------------------------------------------
 
@@ -124,70 +183,102 @@ class RecordingStream:
             yield
 
     def follow_current(self) -> None:
-        with self._lock:
-            self._followed = self._compute_clock
-            self.log.append("follow_current")
+        sh = self._shared
+        with sh.lock:
+            self._followed = sh.compute_clock
+            sh.log.append(f"follow_current{self._name}")
 
     def record(self) -> RecordedEvent:
-        with self._lock:
-            self.log.append(f"record after #{len(self.ops)}")
-            return RecordedEvent(self, len(self.ops))
+        sh = self._shared
+        with sh.lock:
+            sh.log.append(f"record{self._name} after #{self._clock[self.index]}")
+            return RecordedEvent(self, self._clock)
+
+    def wait_for(self, event: Any) -> None:
+        sh = self._shared
+        with sh.lock:
+            self._clock = _later(self._clock, event.clock)
+            sh.log.append(f"wait_for{self._name} {event.clock}")
+
+    def side(self) -> RecordingStream:
+        if self.index == 1:
+            raise AssertionError("the side stream has no side stream")
+        if self._side is None:
+            self._side = RecordingStream(_main=self)
+        return self._side
+
+    @property
+    def _name(self) -> str:
+        return "" if self.index == 0 else " (side)"
 
     # -- what the stream and its events see -------------------------------------------------
 
-    def enqueue(
-        self, name: str, *, reads: Sequence[torch.Tensor], writes: Sequence[torch.Tensor]
-    ) -> None:
-        with self._lock:
-            op = Op(
-                len(self.ops) + 1,
-                name,
-                tuple(tensor_span(t) for t in reads),
-                tuple(tensor_span(t) for t in writes),
-            )
-            self.ops.append(op)
-            self.log.append(f"#{op.seq} {name}")
-            for clock, span in self._compute_writes:
-                if clock > self._followed and any(overlaps(span, r) for r in op.reads):
-                    self.violations.append(
-                        f"copy #{op.seq} ({name}) read KV the compute stream wrote after the "
-                        "copy stream last followed it (follow_current)"
+    def enqueue(self, name: str, *, reads: tuple[Span, ...], writes: tuple[Span, ...]) -> None:
+        sh = self._shared
+        with sh.lock:
+            clock = list(self._clock)
+            clock[self.index] += 1
+            self._clock = (clock[0], clock[1])
+            op = Op(self.index, clock[self.index], name, reads, writes)
+            for other in sh.ops:
+                if (
+                    other.stream != op.stream
+                    and other.seq > self._clock[other.stream]
+                    and op.conflicts(other)
+                ):
+                    sh.violations.append(
+                        f"a race: {op} and {other} on the other stream touch the same memory, "
+                        "and no event orders them"
+                    )
+                    break
+            sh.ops.append(op)
+            sh.log.append(str(op))
+            for when, span in sh.compute_writes:
+                if when > self._followed and any(overlaps(span, r) for r in op.reads):
+                    sh.violations.append(
+                        f"copy {op} read KV the compute stream wrote after the copy stream "
+                        "last followed it (follow_current)"
                     )
                     break
 
-    def host_synchronized(self, seq: int) -> None:
-        with self._lock:
-            self.host_done = max(self.host_done, seq)
-            self.device_visible = max(self.device_visible, seq)
-            self.log.append(f"synchronize #{seq}")
+    def host_synchronized(self, clock: Clock) -> None:
+        sh = self._shared
+        with sh.lock:
+            sh.host_done = _later(sh.host_done, clock)
+            sh.device_visible = _later(sh.device_visible, clock)
+            sh.log.append(f"synchronize {clock}")
 
-    def device_waited(self, seq: int) -> None:
-        with self._lock:
-            self.device_visible = max(self.device_visible, seq)
-            self.log.append(f"wait_on_device #{seq}")
+    def device_waited(self, clock: Clock) -> None:
+        sh = self._shared
+        with sh.lock:
+            sh.device_visible = _later(sh.device_visible, clock)
+            sh.log.append(f"wait_on_device {clock}")
 
     # -- the compute stream and the server -------------------------------------------------
 
     def write_layer(self, kv: torch.Tensor) -> None:
         """The forward pass writes a layer's KV (on the compute stream)."""
-        with self._lock:
-            self._compute_clock += 1
-            self._compute_writes.append((self._compute_clock, tensor_span(kv)))
+        sh = self._shared
+        with sh.lock:
+            sh.compute_clock += 1
+            sh.compute_writes.append((sh.compute_clock, tensor_span(kv)))
 
     def use_layer(self, kv: torch.Tensor) -> None:
         """The forward pass reads a layer's KV: no copy into it may still be pending."""
         span = tensor_span(kv)
-        with self._lock:
-            self.num_layer_uses += 1
+        sh = self._shared
+        with sh.lock:
+            sh.num_layer_uses += 1
             pending = [
                 op
-                for op in self.ops
-                if op.seq > self.device_visible and any(overlaps(span, w) for w in op.writes)
+                for op in sh.ops
+                if op.seq > sh.device_visible[op.stream]
+                and any(overlaps(span, w) for w in op.writes)
             ]
             if pending:
-                self.violations.append(
+                sh.violations.append(
                     f"a layer was used before the event after its load copies was waited on "
-                    f"({len(pending)} pending, first #{pending[0].seq} {pending[0].name})"
+                    f"({len(pending)} pending, first {pending[0]})"
                 )
 
     def guard(self, link: Any) -> None:
@@ -207,20 +298,20 @@ class RecordingStream:
 
     def _check_done(self, buffers: Sequence[Any], access: str, what: str) -> None:
         spans = [buffer_span(b) for b in buffers]
-        with self._lock:
+        sh = self._shared
+        with sh.lock:
             if access == "reads":
-                self.num_releases += 1
+                sh.num_releases += 1
             else:
-                self.num_publishes += 1
-            self.log.append(f"{'release' if access == 'reads' else 'publish'} ({len(spans)})")
+                sh.num_publishes += 1
+            sh.log.append(f"{'release' if access == 'reads' else 'publish'} ({len(spans)})")
             pending = [
                 op
-                for op in self.ops
-                if op.seq > self.host_done
+                for op in sh.ops
+                if op.seq > sh.host_done[op.stream]
                 and any(overlaps(s, m) for s in spans for m in getattr(op, access))
             ]
             if pending:
-                self.violations.append(
-                    f"{what} copies completed ({len(pending)} pending, first "
-                    f"#{pending[0].seq} {pending[0].name})"
+                sh.violations.append(
+                    f"{what} copies completed ({len(pending)} pending, first {pending[0]})"
                 )

@@ -45,6 +45,15 @@ class CopyStream(Protocol):
     def record(self) -> CopyEvent:
         """An event marking the copies enqueued so far."""
 
+    def wait_for(self, event: CopyEvent) -> None:
+        """Order this stream's next work after ``event`` (recorded on another stream of the
+        same device); the host does not block."""
+
+    def side(self) -> CopyStream:
+        """A second stream of the same device for the kernels beside the copies (the
+        mover's gathers and scatters), so they overlap the copy engine's transfers; the
+        same stream where nothing runs concurrently (CPU)."""
+
 
 class _DoneEvent:
     def synchronize(self) -> None:
@@ -73,6 +82,12 @@ class SyncStream:
     def record(self) -> CopyEvent:
         return _DoneEvent()
 
+    def wait_for(self, event: CopyEvent) -> None:
+        return None
+
+    def side(self) -> CopyStream:
+        return self
+
 
 class _CudaEvent:
     def __init__(self, event: Any, device: torch.device) -> None:
@@ -95,6 +110,7 @@ class CudaCopyStream:
     def __init__(self, device: torch.device | str) -> None:
         self.device = torch.device(device)
         self._stream = torch.cuda.Stream(device=self.device)
+        self._side: CudaCopyStream | None = None
 
     def activate(self) -> contextlib.AbstractContextManager[None]:
         return torch.cuda.stream(self._stream)
@@ -106,6 +122,15 @@ class CudaCopyStream:
         event = torch.cuda.Event()
         event.record(self._stream)
         return _CudaEvent(event, self.device)
+
+    def wait_for(self, event: CopyEvent) -> None:
+        assert isinstance(event, _CudaEvent), event
+        self._stream.wait_event(event._event)
+
+    def side(self) -> CopyStream:
+        if self._side is None:
+            self._side = CudaCopyStream(self.device)
+        return self._side
 
 
 def copy_stream_for(device: torch.device) -> CopyStream:
