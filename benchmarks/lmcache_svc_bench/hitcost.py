@@ -34,6 +34,10 @@ memcpy, and a cold copy (the mover's copies into a destination as large as the e
 cache, written once and left idle as the engines are before each query). (cn) - (c) is the
 control: a no-op connector costs next to nothing, so when that pair is not within 1 ms of
 0 the host, not the plugin, decides the pairs and the targets are not evaluated.
+
+``--set pretouch_loads=true`` turns the plugin's ``pretouch_loads`` on in (b) alone (its
+scheduler reads a page of the hit's chunks before the worker copies them): an A/B is a run
+with it and a run without, each weighed against its own (c).
 """
 
 from __future__ import annotations
@@ -122,6 +126,7 @@ def run(ctx: BenchContext) -> Report:
     p.check()
     cold_repeats = ctx.option("cold_repeats", 3 if quick else 7)
     rounds = ctx.option("engine_rounds", 2 if quick else 3)
+    b_settings = plugin_settings(ctx)
     if not 1 <= rounds <= p.num_queries:
         raise ValueError(f"engine_rounds must be 1 to num_queries ({p.num_queries}), got {rounds}")
     shape = shape_named(p.model)
@@ -132,12 +137,10 @@ def run(ctx: BenchContext) -> Report:
     prompts = {cell: list(workload.prompts(cell)) for cell in workload.queries}
     try:
         setup = Setup(model_dir, ctx.work_dir, server.socket, None, ctx.progress)
-        config = plugin_config(setup, None, tenant="b")
-        write_contexts(setup, workload, "b", config)
+        write_contexts(setup, workload, "b", plugin_config(setup, None, tenant="b"))
         num_chunks = sum(len(c) // PLUGIN_DEFAULT_CHUNK for c in workload.contexts.values())
         wait_for_commits(server.socket, num_chunks)
-        kv_configs = {"c": None, "cn": NOOP_CONNECTOR, "b": config}
-        kv_configs["cp"] = plugin_config(setup, None, tenant="cp")
+        kv_configs = engine_configs(setup, b_settings)
         for r in range(rounds):
             engines: dict[str, EngineProc] = {}
             try:
@@ -173,15 +176,34 @@ def run(ctx: BenchContext) -> Report:
     report = ctx.report()
     baselines = CopyBaselines(kv_bytes_per_token(shape), memcpy_gbps(), geometry, cold, IDLE_S)
     _write(report, samples, baselines)
+    if b_settings:
+        report.tables[0].notes.append(f"(b)'s plugin settings beyond the defaults: {b_settings}")
     report.data["copy_baselines"]["cache_tokens_logged"] = logged_tokens
     report.data["params"] = {
         "contexts": p.contexts,
         "query": p.queries[0],
         "n": p.num_queries,
         "engine_rounds": rounds,
+        "b_plugin_settings": b_settings,
     }
     report.data["mark_timeline_ms"] = _mark_timelines(samples)
     return report
+
+
+def plugin_settings(ctx: BenchContext) -> dict[str, Any]:
+    """(b)'s plugin settings beyond the defaults, from ``--set``: ``pretouch_loads``."""
+    return {"pretouch_loads": True} if ctx.option("pretouch_loads", False) else {}
+
+
+def engine_configs(setup: Setup, b_settings: dict[str, Any]) -> dict[str, dict[str, Any] | None]:
+    """Each engine's KV transfer config: (b) and (cp) the plugin under their own tenants,
+    (b) with ``b_settings`` (``plugin_settings``) too."""
+    return {
+        "c": None,
+        "cn": NOOP_CONNECTOR,
+        "cp": plugin_config(setup, None, tenant="cp"),
+        "b": plugin_config(setup, None, tenant="b", **b_settings),
+    }
 
 
 def _warm(engines: dict[str, EngineProc], workload: Workload) -> None:

@@ -22,10 +22,12 @@ from lmcache_svc_bench.hitcost_copy import (
     engine_cache_tokens,
 )
 from lmcache_svc_bench.report import Report
-from lmcache_svc_bench.runner import run_benchmark
+from lmcache_svc_bench.runner import BenchContext, run_benchmark
 from lmcache_svc_bench.vllm.bench_model import TINY
 from lmcache_svc_bench.vllm.engines import VLLM_PYTHON
 from lmcache_svc_bench.vllm_common import kv_bytes_per_token
+from lmcache_svc_bench.vllm_ttft import Setup
+from tests.helpers import import_plugin_from_source
 
 SMALL = KVGeometry(num_layers=2, page_bytes=8, num_blocks=16, blocks_per_chunk=2)
 
@@ -200,6 +202,31 @@ def test_rounds_outside_one_to_the_queries_are_refused_before_anything_starts(
     ):
         run_benchmark("hitcost", quick=True, out_dir=tmp_path, options={"engine_rounds": rounds})
     assert not list(tmp_path.rglob("engine-*.log"))  # no engine was started
+
+
+@pytest.mark.parametrize(
+    ("options", "pretouch"),
+    [({"pretouch_loads": "true"}, True), ({"pretouch_loads": "false"}, False), ({}, False)],
+)
+def test_set_pretouch_loads_reaches_bs_plugin_alone(
+    tmp_path: Path, options: dict[str, str], pretouch: bool
+) -> None:
+    """``--set pretouch_loads=true`` (the A/B's switch) turns the option on in (b)'s
+    connector config, as the plugin parses it, and nowhere else."""
+    import_plugin_from_source()
+    from lmcache_svc_vllm.config import parse_config
+
+    ctx = BenchContext("hitcost", True, tmp_path, tmp_path, lambda _: None, options)
+    setup = Setup(tmp_path, tmp_path, "/run/sidecar.sock", None, lambda _: None)
+    configs = hitcost.engine_configs(setup, hitcost.plugin_settings(ctx))
+    assert configs["c"] is None and configs["cn"] == hitcost.NOOP_CONNECTOR
+    b, cp = (configs[name] for name in ("b", "cp"))
+    assert b is not None and cp is not None
+    b_config = parse_config(b["kv_connector_extra_config"])
+    assert (b_config.tenant, b_config.url) == ("b", "/run/sidecar.sock")
+    assert b_config.pretouch_loads is pretouch
+    assert ("pretouch_loads" in b["kv_connector_extra_config"]) is pretouch  # else the default
+    assert parse_config(cp["kv_connector_extra_config"]).pretouch_loads is False
 
 
 def _noisy_report(b_minus_c: list[float]) -> Report:

@@ -35,6 +35,7 @@ def test_all_keys_parse() -> None:
             "load_mode": "async",
             "async_load_min_tokens": 1024,
             "use_shm": False,
+            "pretouch_loads": True,
             "auth_token": "secret",
             "keep_load_failure_policy": True,
             "tuning": {"lookup_wait_ms": 0, "store_pool_chunks": 64},
@@ -44,6 +45,7 @@ def test_all_keys_parse() -> None:
     assert config.lookup_timeout_ms == 20.0 and isinstance(config.lookup_timeout_ms, float)
     assert (config.url, config.load_mode, config.use_shm) == ("127.0.0.1:7000", "async", False)
     assert config.resolved_auth_token() == "secret"
+    assert config.pretouch_loads is True and ConnectorConfig().pretouch_loads is False
 
 
 @pytest.mark.parametrize(
@@ -53,6 +55,7 @@ def test_all_keys_parse() -> None:
         ({"chunk_size": "256"}, "chunk_size must be an integer"),
         ({"chunk_size": 0}, "chunk_size must be > 0"),
         ({"use_shm": "yes"}, "use_shm must be true or false"),
+        ({"pretouch_loads": 1}, "pretouch_loads must be true or false"),
         ({"lookup_timeout_ms": True}, "lookup_timeout_ms must be a number"),
         ({"load_mode": "later"}, "load_mode must be one of"),
         ({"tenant": ""}, "tenant must not be empty"),

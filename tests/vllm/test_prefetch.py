@@ -37,13 +37,14 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProc]:
 
 
 def engine(
-    url: str, prefetches: Prefetches | None, read_in_place: bool = False
+    url: str, prefetches: Prefetches | None, read_in_place: bool = False, **settings: bool
 ) -> tuple[SchedulerSide, WorkerSide, list[torch.Tensor]]:
     """One engine's two halves in this process; the worker attaches to ``prefetches``.
     Loads take leases (``read_in_place`` off: a worker that reads in place leases nothing,
-    so it attaches to nothing, ``test_reads_in_place_need_no_prefetch``)."""
+    so it attaches to nothing, ``test_reads_in_place_need_no_prefetch``). ``settings``:
+    other config keys (``pretouch_loads``)."""
     config = ConnectorConfig(
-        url=url, chunk_size=CHUNK, lookup_timeout_ms=2000, read_in_place=read_in_place
+        url=url, chunk_size=CHUNK, lookup_timeout_ms=2000, read_in_place=read_in_place, **settings
     )
     stats = StatsRecorder()
     scheduler = SchedulerSide(

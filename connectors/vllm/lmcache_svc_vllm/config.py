@@ -88,6 +88,10 @@ class ConnectorConfig:
     """Load chunks the server's shared-memory index locates in the mapped segment without
     the lease round trip, checking afterwards that none changed during the copy (one that
     did is loaded again under a lease). CPU copies only; ``false``: every load leases."""
+    pretouch_loads: bool = False
+    """Read one byte of every memory page of a hit's chunks in the shared segment on the
+    scheduler's lookup thread as soon as vLLM gives the request its blocks, before the
+    worker copies them (``pretouch.py``): memory idle a while can be slow to read again."""
     auth_token: str | None = None
     """Bearer token for a server started with auth; default: $LMCACHE_SVC_AUTH_TOKEN."""
     keep_load_failure_policy: bool = False
@@ -143,7 +147,13 @@ class ConnectorConfig:
 # Types of ConnectorConfig's and Tuning's keys together (no name is in both).
 _FLOAT_FIELDS = {"lookup_timeout_ms", "lookup_wait_ms", "rpc_timeout_ms", "retry_interval_s"}
 _INT_FIELDS = {"chunk_size", "async_load_min_tokens", "store_pool_chunks"}
-_BOOL_FIELDS = {"use_shm", "local_lookup", "read_in_place", "keep_load_failure_policy"}
+_BOOL_FIELDS = {
+    "use_shm",
+    "local_lookup",
+    "read_in_place",
+    "pretouch_loads",
+    "keep_load_failure_policy",
+}
 _OPTIONAL_FIELDS = {"chunk_size"}  # null: the default
 
 

@@ -11,7 +11,8 @@ making the call on the request's path.
 A worker in another process never attaches here, so the scheduler starts nothing and the
 worker leases as before. A lease the worker does not take (the request was preempted or
 finished first, or the plan changed) is released in the background; one the worker takes
-is released by the worker after its copies, as any other.
+is released by the worker after its copies, as any other. With ``pretouch_loads`` the
+lease's pages are read once before the lease is handed over (``pretouch.py``).
 """
 
 from __future__ import annotations
@@ -24,7 +25,9 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import Any
 
+from lmcache_svc_vllm import trace
 from lmcache_svc_vllm.link import Acquired, ServerLink
+from lmcache_svc_vllm.pretouch import PageToucher
 
 logger = logging.getLogger(f"vllm.{__name__}")
 
@@ -46,6 +49,7 @@ class Prefetches:
         self._lock = threading.Lock()
         self._workers: dict[bytes, ServerLink] = {}
         self._pending: dict[str, _Pending] = {}
+        self._toucher = PageToucher()
 
     def attach(self, namespace_id: bytes, link: ServerLink) -> None:
         """A worker of this process loads ``namespace_id`` through ``link``."""
@@ -70,13 +74,25 @@ class Prefetches:
             link = self._workers.get(bytes(namespace_id))
         if link is None or not hashes:
             return False
-        pending = _Pending(link, tuple(hashes), submit(link.acquire, list(hashes)), submit)
+        if link.config.pretouch_loads:
+            future = submit(self._acquire_touched, link, list(hashes))
+        else:
+            future = submit(link.acquire, list(hashes))
+        pending = _Pending(link, tuple(hashes), future, submit)
         with self._lock:
             old = self._pending.pop(req_id, None)
             self._pending[req_id] = pending
         if old is not None:
             _release_when_done(old)
         return True
+
+    def _acquire_touched(self, link: ServerLink, hashes: list[bytes]) -> Acquired | None:
+        """On the pool's thread: the lease, its pages read once before its future completes
+        (so before anyone can take it, and never after its release)."""
+        acquired = link.acquire(hashes)
+        if acquired is not None and self._toucher.touch(acquired.buffers) is not None:
+            trace.mark("load.pretouched")
+        return acquired
 
     def take(self, req_id: str, hashes: Sequence[bytes], timeout_s: float) -> Acquired | None:
         """The lease started for ``req_id`` if it covers exactly ``hashes``, once it is there;

@@ -36,6 +36,7 @@ from lmcache_svc_vllm.config import ConnectorConfig
 from lmcache_svc_vllm.link import ServerLink
 from lmcache_svc_vllm.metadata import LoadPlan, SavePlan, StepPlan
 from lmcache_svc_vllm.prefetch import PREFETCHES, Prefetches
+from lmcache_svc_vllm.pretouch import PageToucher
 from lmcache_svc_vllm.save_tokens import describe_save
 from lmcache_svc_vllm.stats import StatsRecorder
 
@@ -96,6 +97,7 @@ class SchedulerSide:
         self.link = link
         self.stats = stats
         self._prefetches = prefetches
+        self._toucher = PageToucher()
         self._requests: dict[str, RequestState] = {}
         self._loads: list[LoadPlan] = []
         self._final_saves: list[SavePlan] = []  # of finished requests, for the next step
@@ -249,7 +251,16 @@ class SchedulerSide:
         # A worker in this process: its lease now, while vLLM prepares the step (prefetch.py).
         namespace_id = self.namespaces[0].namespace_id
         if self._prefetches.start(plan.req_id, namespace_id, plan.hashes_for(0), self._submit):
-            trace.mark("load.prefetch")
+            trace.mark("load.prefetch")  # touched there, with pretouch_loads
+        elif self.config.pretouch_loads and plan.placement is not None:
+            self._submit(self._pretouch, plan.hashes_for(0), plan.placement)
+
+    def _pretouch(self, hashes: Sequence[bytes], placement: Placement) -> None:
+        """On the lookup thread: read one byte of every page of the load's chunks, where the
+        lookup found them in the segment, before the worker copies them (``pretouch.py``)."""
+        read = self.link.read_in_place(hashes, placement)
+        if read is not None and self._toucher.touch(read.buffers) is not None:
+            trace.mark("load.pretouched")
 
     def build_step_plan(self, scheduler_output: Any) -> StepPlan:
         """This step's loads (planned as vLLM allocated their blocks) and saves: the full
