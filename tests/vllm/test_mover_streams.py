@@ -168,4 +168,6 @@ def test_layers_in_one_buffer_are_moved_a_group_at_a_time() -> None:
     assert all(map(torch.equal, pages.layers, expected))
     per_layer = [op for op in separate.ops if op.stream == 1]
     assert len(per_layer) == 3 * 2 + 2 * 1  # 3 units of 2 layers, 2 units of 1 layer
+    got, want = saved(0, separate, stack_layers=False)  # a layer at a time, saved
+    assert got == want
     assert stacked.violations == [] and separate.violations == []

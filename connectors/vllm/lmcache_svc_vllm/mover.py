@@ -278,7 +278,8 @@ class PageMover:
         """The device scratch the units take turns with: two buffers, so the side stream
         fills or drains one while the copy stream moves the other (one where both are the
         same stream). Made on the copy stream: whatever reuses its memory after the load
-        or save, on that stream, is ordered after its last use (``_pipelined``)."""
+        or save, on that stream, is ordered after its last use (``_load_grouped`` and
+        ``_save_grouped`` end with the copy stream after the side stream's last use)."""
         g = self.pages.geometry
         most = max(len(u.group) * len(u.batch) for u in units) * g.blocks_per_chunk * g.page_bytes
         count = 1 if self._side is self.stream or len(units) == 1 else 2
@@ -369,10 +370,11 @@ class PageMover:
                 words = _words(staged)
                 if self._stacked is not None:  # one scatter for the whole group
                     self._stacked.scatter(ids[n], words)
-                for j, layer in enumerate(unit.group if self._stacked is None else ()):
-                    # [chunks, blocks] ids take the strided [chunks, blocks, page] scratch as
-                    # it is (index_copy_ wants it flat: one more device copy per layer)
-                    _words(self.pages.layers[layer])[ids[n]] = words[:, j]
+                else:
+                    for j, layer in enumerate(unit.group):
+                        # [chunks, blocks] ids take the strided [chunks, blocks, page]
+                        # scratch as it is (index_copy_ wants it flat: one more copy)
+                        _words(self.pages.layers[layer])[ids[n]] = words[:, j]
                 done = drained[turn] = side.record()
             if unit.last:
                 events += [done] * len(unit.group)
@@ -394,7 +396,6 @@ class PageMover:
             scratch = self._scratch(units)
         drained: list[CopyEvent | None] = [None] * len(scratch)  # copy stream: copies read it
         events: list[CopyEvent] = []
-        g = self.pages.geometry
         for n, unit in enumerate(units):
             turn = n % len(scratch)
             staged = self._staged(scratch[turn], unit)
@@ -406,9 +407,11 @@ class PageMover:
                 words = _words(staged)
                 if self._stacked is not None:  # one gather for the whole group
                     self._stacked.gather(ids[n], words)
-                for j, layer in enumerate(unit.group if self._stacked is None else ()):
-                    pages = _words(self.pages.layers[layer]).index_select(0, ids[n].view(-1))
-                    words[:, j] = pages.view(len(unit.batch), g.blocks_per_chunk, words.shape[-1])
+                else:
+                    for j, layer in enumerate(unit.group):
+                        kv = _words(self.pages.layers[layer])
+                        pages = kv.index_select(0, ids[n].view(-1))
+                        words[:, j] = pages.view(words[:, j].shape)
                 gathered = side.record()
             with self.stream.activate():
                 self.stream.wait_for(gathered)
