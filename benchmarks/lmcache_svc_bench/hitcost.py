@@ -36,8 +36,9 @@ control: a no-op connector costs next to nothing, so when that pair is not withi
 0 the host, not the plugin, decides the pairs and the targets are not evaluated.
 
 ``--set pretouch_loads=true`` turns the plugin's ``pretouch_loads`` on in (b) alone (its
-scheduler reads a page of the hit's chunks before the worker copies them): an A/B is a run
-with it and a run without, each weighed against its own (c).
+scheduler reads a page of the hit's chunks before the worker copies them), and ``--set
+overlap_loads=false`` turns ``overlap_loads`` off (every layer copied before the forward
+pass): an A/B is a run with the switch and a run without, each weighed against its own (c).
 """
 
 from __future__ import annotations
@@ -190,9 +191,14 @@ def run(ctx: BenchContext) -> Report:
     return report
 
 
+B_SWITCHES = {"pretouch_loads": False, "overlap_loads": True}
+"""The plugin's switches ``--set`` can flip in (b), with the plugin's defaults."""
+
+
 def plugin_settings(ctx: BenchContext) -> dict[str, Any]:
-    """(b)'s plugin settings beyond the defaults, from ``--set``: ``pretouch_loads``."""
-    return {"pretouch_loads": True} if ctx.option("pretouch_loads", False) else {}
+    """(b)'s plugin settings beyond the defaults, from ``--set`` (``B_SWITCHES``)."""
+    settings = {key: ctx.option(key, default) for key, default in B_SWITCHES.items()}
+    return {key: value for key, value in settings.items() if value != B_SWITCHES[key]}
 
 
 def engine_configs(setup: Setup, b_settings: dict[str, Any]) -> dict[str, dict[str, Any] | None]:

@@ -205,16 +205,23 @@ def test_rounds_outside_one_to_the_queries_are_refused_before_anything_starts(
 
 
 @pytest.mark.parametrize(
-    ("options", "pretouch"),
-    [({"pretouch_loads": "true"}, True), ({"pretouch_loads": "false"}, False), ({}, False)],
+    ("options", "switched"),
+    [
+        ({"pretouch_loads": "true"}, {"pretouch_loads": True}),
+        ({"pretouch_loads": "false"}, {}),
+        ({"overlap_loads": "false"}, {"overlap_loads": False}),
+        ({"overlap_loads": "true", "pretouch_loads": "1"}, {"pretouch_loads": True}),
+        ({}, {}),
+    ],
 )
-def test_set_pretouch_loads_reaches_bs_plugin_alone(
-    tmp_path: Path, options: dict[str, str], pretouch: bool
+def test_set_switches_reach_bs_plugin_alone(
+    tmp_path: Path, options: dict[str, str], switched: dict[str, bool]
 ) -> None:
-    """``--set pretouch_loads=true`` (the A/B's switch) turns the option on in (b)'s
-    connector config, as the plugin parses it, and nowhere else."""
+    """``--set pretouch_loads=true`` and ``--set overlap_loads=false`` (the A/Bs' switches)
+    change the option in (b)'s connector config, as the plugin parses it, and nowhere else;
+    a value equal to the plugin's default is left out of the config."""
     import_plugin_from_source()
-    from lmcache_svc_vllm.config import parse_config
+    from lmcache_svc_vllm.config import ConnectorConfig, parse_config
 
     ctx = BenchContext("hitcost", True, tmp_path, tmp_path, lambda _: None, options)
     setup = Setup(tmp_path, tmp_path, "/run/sidecar.sock", None, lambda _: None)
@@ -222,11 +229,13 @@ def test_set_pretouch_loads_reaches_bs_plugin_alone(
     assert configs["c"] is None and configs["cn"] == hitcost.NOOP_CONNECTOR
     b, cp = (configs[name] for name in ("b", "cp"))
     assert b is not None and cp is not None
-    b_config = parse_config(b["kv_connector_extra_config"])
+    b_config, cp_config = (parse_config(x["kv_connector_extra_config"]) for x in (b, cp))
     assert (b_config.tenant, b_config.url) == ("b", "/run/sidecar.sock")
-    assert b_config.pretouch_loads is pretouch
-    assert ("pretouch_loads" in b["kv_connector_extra_config"]) is pretouch  # else the default
-    assert parse_config(cp["kv_connector_extra_config"]).pretouch_loads is False
+    defaults = ConnectorConfig()
+    for key in ("pretouch_loads", "overlap_loads"):
+        assert getattr(b_config, key) is switched.get(key, getattr(defaults, key)), key
+        assert (key in b["kv_connector_extra_config"]) is (key in switched), key
+        assert getattr(cp_config, key) is getattr(defaults, key), key
 
 
 def _noisy_report(b_minus_c: list[float]) -> Report:

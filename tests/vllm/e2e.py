@@ -45,7 +45,7 @@ EXT_SOURCE = "vllm:prompt_tokens_by_source{source=external_kv_transfer}"
 SEEDS = {
     "cross": 1, "base": 2, "donor": 4, "corrupt": 5, "isolated": 6,
     "fault_between": 7, "fault_load": 8, "after_restart": 9,
-    "async": 10, "async_fault": 11, "default_chunk": 12,
+    "async": 10, "async_fault": 11, "default_chunk": 12, "slow_copy": 13,
     "load_kill_0": 20, "load_kill_1": 21, "load_kill_2": 22,
     "load_stop_0": 30, "load_stop_1": 31, "load_stop_2": 32,
 }  # fmt: skip
@@ -118,6 +118,7 @@ class Env:
     a: EngineProc
     b: EngineProc
     kill_file: Path
+    slow_copy_file: Path
 
     def prompt(self, role: str) -> list[int]:
         return self.picked.prompts[role]
@@ -143,7 +144,7 @@ def start_env(tmp: Path) -> Iterator[Env]:
         engines.append(ref)
         picked = pick_prompts(ref)
         ref.close()
-        kill_file = tmp / "kill-server.pid"
+        kill_file, slow_copy_file = tmp / "kill-server.pid", tmp / "slow-copy.s"
         config = kv_transfer_config(server.socket, retry_interval_s=0.2, chunk_size=CHUNK)
         a = EngineProc.start("a", model_dir, tmp, kv_config=config)
         engines.append(a)
@@ -154,11 +155,14 @@ def start_env(tmp: Path) -> Iterator[Env]:
             model_dir,
             tmp,
             kv_config=b_config,
-            env={"LMCACHE_SVC_TEST_KILL_FILE": str(kill_file)},
+            env={
+                "LMCACHE_SVC_TEST_KILL_FILE": str(kill_file),
+                "LMCACHE_SVC_TEST_SLOW_COPY_FILE": str(slow_copy_file),
+            },
             python_path=[HERE],
         )
         engines.append(b)
-        holder = Env(tmp, model_dir, server, picked, a, b, kill_file)
+        holder = Env(tmp, model_dir, server, picked, a, b, kill_file, slow_copy_file)
         yield holder
         server = holder.server
     finally:

@@ -5,8 +5,12 @@ When the file named by ``$LMCACHE_SVC_TEST_KILL_FILE`` holds ``PID`` (SIGKILL) o
 ``PID STOP`` (SIGSTOP: the server hangs, its sockets stay open) and this step has loads,
 the worker signals that process (the real server) right before the plugin leases the
 chunks: the scheduler already promised vLLM a hit, so the load must fail and vLLM must
-recompute. The file is then renamed to ``*.done``. Nothing else differs from
-``LMCacheSvcConnector``.
+recompute. The file is then renamed to ``*.done``.
+
+Second fault: while the file named by ``$LMCACHE_SVC_TEST_SLOW_COPY_FILE`` holds a number of
+seconds, the worker's copy thread (``overlap_loads``) sleeps that long before each layer's
+copy, so the forward pass reaches a layer before its KV is in place and must wait for it.
+Nothing else differs from ``LMCacheSvcConnector``.
 """
 
 from __future__ import annotations
@@ -14,12 +18,15 @@ from __future__ import annotations
 import os
 import signal
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 from lmcache_svc_vllm.connector import LMCacheSvcConnector
+from lmcache_svc_vllm.copy_thread import CopyThread
 
 KILL_FILE_ENV = "LMCACHE_SVC_TEST_KILL_FILE"
+SLOW_COPY_ENV = "LMCACHE_SVC_TEST_SLOW_COPY_FILE"
 
 
 class FaultInjectingConnector(LMCacheSvcConnector):
@@ -65,3 +72,30 @@ def _state(pid: int) -> str:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
     except OSError:
         return ""
+
+
+def _copy_delay_s() -> float:
+    try:
+        return float(Path(os.environ[SLOW_COPY_ENV]).read_text())
+    except (KeyError, OSError, ValueError):
+        return 0.0
+
+
+_copy_layers = CopyThread.copy_layers
+
+
+def _slow_copy_layers(
+    self: CopyThread, copy_layer: Callable[[int], None], layers: Sequence[int]
+) -> Any:
+    delay_s = _copy_delay_s()
+    if not delay_s:
+        return _copy_layers(self, copy_layer, layers)
+
+    def copy_late(layer: int) -> None:
+        time.sleep(delay_s)
+        copy_layer(layer)
+
+    return _copy_layers(self, copy_late, layers)
+
+
+CopyThread.copy_layers = _slow_copy_layers  # type: ignore[method-assign]

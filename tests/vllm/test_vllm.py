@@ -161,6 +161,31 @@ def test_tenants_and_models_are_isolated(env: Env, differs: str) -> None:
     assert result["token_ids"] == env.expected(env.prompt("isolated"))
 
 
+def test_a_load_copied_beside_the_forward_pass_is_waited_for_layer_by_layer(env: Env) -> None:
+    """``overlap_loads`` (the default): b's copy thread sleeps 0.3 s before each of the 4
+    layers' copies (``fault_connector.py``), so the forward pass reaches every layer before
+    its KV is in place. vLLM must wait for each one: the output is the reference's (a wrong
+    KV changes it: ``test_output_depends_on_loaded_kv``)."""
+    prompt = env.prompt("slow_copy")
+    assert run(env.a, prompt)["num_cached_tokens"] == 0
+    wait_stored(env, [prompt])
+    env.b.reset_prefix_cache()
+    before = env.b.metrics()
+    env.slow_copy_file.write_text("0.3")
+    try:
+        start = time.monotonic()
+        loaded = run(env.b, prompt)
+        elapsed = time.monotonic() - start
+    finally:
+        env.slow_copy_file.unlink()
+    after = env.b.metrics()
+    assert loaded["num_cached_tokens"] == 512
+    assert delta(after, before, "vllm:lmcache_svc_load_in_place_chunks") == 2
+    assert delta(after, before, "vllm:lmcache_svc_load_failed_blocks") == 0
+    assert elapsed >= 4 * 0.3  # the copies went by the copy thread, and were waited for
+    assert loaded["token_ids"] == env.expected(prompt)
+
+
 def test_async_load_path(env: Env) -> None:
     """load_mode=async: the request waits for a background load; a SIGKILL during it is
     reported as failed blocks and recomputed. On a private server (it gets killed)."""

@@ -39,13 +39,17 @@ class Tuning:
     lookup_wait_ms: float = 5.0
     """How long the scheduler waits inline for a lookup's answer; past it, vLLM is told
     "not decided yet", runs its other requests, and asks again next step (0: never wait)."""
+    overlap_load_min_bytes: int = 1 << 20
+    """With ``overlap_loads``: a load of at least this many bytes copies beside the forward
+    pass (a smaller one copies before it: the hand-over to the copy thread costs a wake-up,
+    about what copying a fraction of 1 MiB takes)."""
     store_pool_chunks: int = 0
     """Most shared-memory slots the worker keeps reserved ahead of its stores (it keeps
     twice as many as its largest store so far needed), so a store copies without waiting for a
     reservation; they count against the session's reservation limit. 0: no pool."""
 
     def __post_init__(self) -> None:
-        for name in ("lookup_wait_ms", "store_pool_chunks"):
+        for name in ("lookup_wait_ms", "overlap_load_min_bytes", "store_pool_chunks"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"tuning.{name} must be >= 0, got {getattr(self, name)!r}")
 
@@ -92,6 +96,11 @@ class ConnectorConfig:
     """Read one byte of every memory page of a hit's chunks in the shared segment on the
     scheduler's lookup thread as soon as vLLM gives the request its blocks, before the
     worker copies them (``pretouch.py``): memory idle a while can be slow to read again."""
+    overlap_loads: bool = True
+    """CPU: a step's load copies on a thread of its own beside the forward pass, each layer
+    in place before its attention runs (``copy_thread.py``); a chunk read in place that
+    changed during the copy is then recomputed rather than loaded again. ``false``: every
+    layer is copied before the forward pass."""
     auth_token: str | None = None
     """Bearer token for a server started with auth; default: $LMCACHE_SVC_AUTH_TOKEN."""
     keep_load_failure_policy: bool = False
@@ -146,12 +155,18 @@ class ConnectorConfig:
 
 # Types of ConnectorConfig's and Tuning's keys together (no name is in both).
 _FLOAT_FIELDS = {"lookup_timeout_ms", "lookup_wait_ms", "rpc_timeout_ms", "retry_interval_s"}
-_INT_FIELDS = {"chunk_size", "async_load_min_tokens", "store_pool_chunks"}
+_INT_FIELDS = {
+    "chunk_size",
+    "async_load_min_tokens",
+    "overlap_load_min_bytes",
+    "store_pool_chunks",
+}
 _BOOL_FIELDS = {
     "use_shm",
     "local_lookup",
     "read_in_place",
     "pretouch_loads",
+    "overlap_loads",
     "keep_load_failure_policy",
 }
 _OPTIONAL_FIELDS = {"chunk_size"}  # null: the default

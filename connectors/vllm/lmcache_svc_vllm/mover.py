@@ -31,6 +31,8 @@ number. A 6,016-token load of the tiny test model (47 chunks, 4 layers) is 4 cop
 188 slice copies and 47 chunk tensors: 1.3 -> 0.66 ms in a micro-measurement with a small
 destination, memcpy's time; inside an engine, whose blocks were last touched long ago,
 the memory sets the pace either way (about half a warm memcpy's: ``docs/benchmarks.md``).
+Given a ``copier``, a big load that the forward pass waits for layer by layer copies on
+that thread, beside the forward pass (``copy_thread.py``).
 
 Every layer ends with an event (on a device, once its group is in place): a load's forward
 pass waits (on the device) only for the layer it is about to run
@@ -50,6 +52,7 @@ import numpy as np
 import torch
 from numpy.lib.stride_tricks import as_strided
 
+from lmcache_svc_vllm.copy_thread import CopyThread
 from lmcache_svc_vllm.layout import ChunkGeometry, KVPages, runs_of
 from lmcache_svc_vllm.streams import CopyEvent, CopyStream, SyncStream
 
@@ -59,6 +62,9 @@ GROUP_BYTES = 4 << 20
 """Device copies of whole chunks move at least this much per chunk where layers allow."""
 SCRATCH_BYTES = 256 << 20
 """The most device scratch a grouped copy holds at a time (its two buffers together)."""
+COPIER_MIN_BYTES = 1 << 20
+"""CPU loads of less than this copy in the caller even with a copier: a hand-over to the
+copy thread costs a wake-up, about what a fraction of 1 MiB takes to copy."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,6 +100,10 @@ class LayerEvents:
         if self.events:
             self.events[-1].synchronize()  # one stream: the last event follows all others
 
+    def done(self) -> bool:
+        """True when every layer's copies are done (CPU copies in the caller: at once)."""
+        return all(event.query() for event in self.events)
+
 
 class PageMover:
     def __init__(
@@ -105,13 +115,17 @@ class PageMover:
         group_bytes: int = GROUP_BYTES,
         overlap: bool = True,
         stack_layers: bool = True,
+        copier: CopyThread | None = None,
+        copier_min_bytes: int = COPIER_MIN_BYTES,
     ) -> None:
         """``group_bytes``: device copies of whole chunks move this many bytes per chunk
         where the layers allow (``_layer_groups``); 0 copies layer by layer. ``overlap``:
         their gathers and scatters run on the stream's side stream, beside the copies
         (False: on the copy stream, between them). ``stack_layers``: layers that lie in one
         buffer at even distances are gathered and scattered a group at a time
-        (``_StackedLayers``; False: one layer at a time)."""
+        (``_StackedLayers``; False: one layer at a time). ``copier`` (CPU): loads of at
+        least ``copier_min_bytes`` that the forward pass waits for layer by layer copy on it,
+        beside the forward pass (``copy_thread.py``); None: every copy in the caller."""
         self.pages = pages
         self.stream = stream
         self._side = stream.side() if overlap else stream
@@ -125,6 +139,8 @@ class PageMover:
         # (Synchronous copies only: another stream is a device's, or a test's recording one.)
         host = device.type == "cpu" and isinstance(stream, SyncStream)
         self._host = _numpy_views(pages.layers) if host else None
+        self._copier = copier if self._host is not None else None
+        self.copier_min_bytes = copier_min_bytes
 
     # -- saves ---------------------------------------------------------------------------
 
@@ -177,11 +193,13 @@ class PageMover:
 
     # -- loads ---------------------------------------------------------------------------
 
-    def load(self, chunks: Sequence[ChunkLoad]) -> LayerEvents:
-        """Enqueue the loads of every layer; wait per layer with ``wait_on_device``."""
+    def load(self, chunks: Sequence[ChunkLoad], *, beside: bool = False) -> LayerEvents:
+        """Enqueue the loads of every layer; wait per layer with ``wait_on_device``.
+        ``beside`` (CPU, with a ``copier``): a load the forward pass waits for layer by layer,
+        which may copy on the copier."""
         self.stream.follow_current()  # blocks being overwritten are not read meanwhile
         if self._host is not None and self.gather == "runs":
-            return LayerEvents(self._load_host(chunks))
+            return LayerEvents(self._load_host(chunks, beside))
         srcs = [self._chunk_tensor(c.src) for c in chunks]
         layers = range(len(self.pages.layers))
         if self._groups_whole(chunks, max((c.first_block for c in chunks), default=0)):
@@ -190,14 +208,25 @@ class PageMover:
             gather = self._gather_ids(chunks)
             return LayerEvents([self._load_layer(i, chunks, srcs, gather) for i in layers])
 
-    def _load_host(self, chunks: Sequence[ChunkLoad]) -> list[CopyEvent]:
+    def _load_host(self, chunks: Sequence[ChunkLoad], beside: bool) -> list[CopyEvent]:
         assert self._host is not None
+        host, geometry = self._host, self.pages.geometry
         places = [(c.src, c.first_block, c.block_ids) for c in chunks]
-        copies = _host_copies(places, self.pages.geometry, writeable=False)
-        events: list[CopyEvent] = []
-        for layer, kv in enumerate(self._host):
+        copies: list[_HostCopy] = []
+
+        def copy_layer(layer: int) -> None:
+            if not copies:  # planned by the first layer's copy (on the copy thread, if any)
+                copies.extend(_host_copies(places, geometry, writeable=False))
             for copy in copies:
-                copy.into(kv, layer)
+                copy.into(host[layer], layer)
+
+        num_bytes = sum(len(c.block_ids) for c in chunks) * geometry.page_bytes
+        if beside and self._copier is not None and num_bytes * len(host) >= self.copier_min_bytes:
+            # Planned and copied while the forward pass runs up to each layer's attention.
+            return list(self._copier.copy_layers(copy_layer, range(len(host))))
+        events: list[CopyEvent] = []
+        for layer in range(len(host)):
+            copy_layer(layer)
             events.append(self.stream.record())
         return events
 

@@ -29,6 +29,10 @@ _COUNTER_DOCS = {
     "load_failed_blocks": "KV blocks that failed to load and were recomputed.",
     "load_in_place_chunks": "Of the chunks loaded, those read in place without a lease.",
     "load_in_place_retries": "Loads in place a chunk changed under (loaded under a lease).",
+    "load_in_place_late_changes": (
+        "Loads in place a chunk changed under while it copied beside the forward pass "
+        "(its blocks recomputed)."
+    ),
     "save_chunks": "Chunks saved from KV blocks to lmcache-svc.",
     "save_bytes": "Bytes saved from KV blocks to lmcache-svc.",
     "save_skipped_chunks": "Chunks not saved: already stored, no room, or server unavailable.",

@@ -26,6 +26,7 @@ COUNTERS = (
     "load_failed_blocks",  # blocks reported to vLLM for recomputation
     "load_in_place_chunks",  # of load_chunks, those read without a lease (read_in_place)
     "load_in_place_retries",  # reads in place a chunk changed under: loaded under a lease
+    "load_in_place_late_changes",  # ... found after the forward pass used it: recomputed
     "save_chunks",  # chunks copied out of KV blocks and committed
     "save_bytes",
     "save_skipped_chunks",  # already stored, no room, or the server was unavailable

@@ -23,7 +23,10 @@ request. On CUDA they run on a dedicated stream with one event per layer: the fo
 waits (on the device) only for the layer it is about to run (``wait_for_layer_load``), a
 layer's save is enqueued as soon as that layer ran (``save_layer``) once the reservation is
 there, and the mapped segment is page-locked in the background (``pinning.py``). On the CPU
-every copy is synchronous, as before.
+a step's load that is big enough goes to a copy thread (``copy_thread.py``,
+``overlap_loads``): the forward pass waits for each layer before its attention, and after it
+the reads in place are checked (a chunk that changed meanwhile is recomputed:
+``_check_late``). Smaller loads and saves copy in the caller.
 """
 
 from __future__ import annotations
@@ -36,8 +39,10 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
+from lmcache_svc.client.in_place import InPlaceRead
 from lmcache_svc.keys import Namespace
 from lmcache_svc_vllm import trace
+from lmcache_svc_vllm.copy_thread import CopyThread
 from lmcache_svc_vllm.cores import off_compute_cores
 from lmcache_svc_vllm.layout import KVPages, UnsupportedLayout, layer_sort_key
 from lmcache_svc_vllm.link import Acquired, Reservation, ServerLink
@@ -84,6 +89,8 @@ class WorkerSide:
         self._in_place = False
         self._pinner: HostPinner | None = None
         self._step_loads: list[LayerEvents] = []
+        self._step_checks: list[Callable[[], None]] = []  # after the step's loads copied
+        self._copier: CopyThread | None = None
         self._step_plan: StepPlan | None = None
         self._step_saves: list[ChunkSave] | None = None
         self._saved_layers: set[int] = set()
@@ -127,7 +134,15 @@ class WorkerSide:
             )
             return
         self._pages = pages
-        self._mover = PageMover(pages, copy_stream_for(pages.device))
+        config = self.link.config
+        if pages.device.type == "cpu" and config.overlap_loads:
+            self._copier = CopyThread()
+        self._mover = PageMover(
+            pages,
+            copy_stream_for(pages.device),
+            copier=self._copier,
+            copier_min_bytes=config.tuning.overlap_load_min_bytes,
+        )
         self._layer_ids = {n: i for i, n in enumerate(sorted(kv_caches, key=layer_sort_key))}
         is_cuda = pages.device.type == "cuda"
         self._layerwise = is_cuda if self._layerwise_choice is None else self._layerwise_choice
@@ -155,6 +170,7 @@ class WorkerSide:
         """A new step's plan: ask for the save slots now, to overlap the forward pass (after
         the step's loads when it has some: the call would slow their copies)."""
         self._flush_touches()  # the previous step's reads: its first tokens are out now
+        self._finish_loads()  # a step vLLM did not finish (none expected)
         self._step_plan, self._step_saves = plan, None
         self._saved_layers, self._step_loads = set(), []
         self._reservation = None
@@ -182,11 +198,22 @@ class WorkerSide:
             self._reserve(plan)  # held back by bind while the loads copied
 
     def wait_for_layer(self, layer_name: str) -> None:
-        """Before the layer runs: its loaded pages must be in place (device-side wait)."""
+        """Before the layer runs: its loaded pages must be in place (device-side wait; a
+        layer not registered waits for every layer)."""
         i = self._layer_ids.get(layer_name)
-        if i is not None:
-            for events in self._step_loads:
+        for events in self._step_loads:
+            if i is None:
+                for layer in range(len(events.events)):
+                    events.wait_on_device(layer)
+            else:
                 events.wait_on_device(i)
+
+    def _finish_loads(self) -> None:
+        """After the forward pass: the checks of the step's loads that copied beside it
+        (their failures reach vLLM with this step's output)."""
+        checks, self._step_checks = self._step_checks, []
+        for check in checks:
+            check()
 
     def save_layer(self, layer_name: str) -> None:
         """After the layer ran (CUDA): enqueue its saves now if the slots are reserved."""
@@ -203,6 +230,7 @@ class WorkerSide:
             logger.exception("lmcache-svc: saving layer %s failed", layer_name)
 
     def wait_for_save(self, plan: StepPlan) -> None:
+        self._finish_loads()
         try:
             self._save(plan)
         finally:  # copied or given up: vLLM may free the finished requests' blocks now
@@ -272,6 +300,7 @@ class WorkerSide:
         return saved
 
     def take_load_errors(self) -> set[int]:
+        self._finish_loads()
         with self._lock:
             errors, self._load_errors = self._load_errors, set()
         return errors
@@ -282,6 +311,8 @@ class WorkerSide:
         if self._prefetches is not None:
             self._prefetches.detach(self.namespace.namespace_id)
         self._loader.shutdown(wait=True, cancel_futures=True)
+        if self._copier is not None:
+            self._copier.shutdown()
         self._io.shutdown(wait=True, cancel_futures=True)
         if self._pinner is not None:
             self._pinner.close()  # unregister before the segment is unmapped
@@ -323,14 +354,15 @@ class WorkerSide:
         """Copy the plan's chunks in; returns the block ids that could not be loaded.
 
         ``step``: a load of the coming forward pass, which waits per layer on CUDA (or for
-        all of it here when layer-wise waits are off); otherwise the copy is awaited here."""
+        all of it here when layer-wise waits are off) and on the CPU for the layers the copy
+        thread copies beside it (``overlap_loads``); otherwise the copy is awaited here."""
         pages, mover = self._pages, self._mover
         if pages is None or mover is None:
             return list(plan.block_ids)
         start = time.perf_counter()
         hashes = plan.hashes_for(self.tp_rank)
         acquired = self._prefetched(plan.req_id, hashes)
-        loaded = self._load_in_place(plan, hashes) if acquired is None else None
+        loaded = self._load_in_place(plan, hashes, step) if acquired is None else None
         if loaded is None:
             acquired = acquired or self.link.acquire(hashes)
             trace.mark("load.acquired")
@@ -345,7 +377,9 @@ class WorkerSide:
         )
         return self._failed(plan, list(plan.block_ids[num_loaded_blocks:]))
 
-    def _load_in_place(self, plan: LoadPlan, hashes: Sequence[bytes]) -> tuple[int, int] | None:
+    def _load_in_place(
+        self, plan: LoadPlan, hashes: Sequence[bytes], step: bool
+    ) -> tuple[int, int] | None:
         """Copy every chunk straight from the segment, without a lease (CPU copies only:
         the check needs the copy done); (chunks, blocks) loaded, or None: lease instead
         (not all of them located, or one changed while it was copied)."""
@@ -357,7 +391,11 @@ class WorkerSide:
         if read is None:
             return None
         try:
-            events, num_blocks = self._copy_in(plan, read.buffers)
+            events, num_blocks = self._copy_in(plan, read.buffers, step)
+            if step and self._beside_forward(events):
+                self._step_loads.append(events)
+                self._step_checks.append(lambda: self._check_late(plan, hashes, read, events))
+                return len(read.buffers), num_blocks
             events.synchronize()
         except Exception:  # never into vLLM: a lease is taken instead
             logger.exception("lmcache-svc: copying chunks read in place failed")
@@ -367,9 +405,33 @@ class WorkerSide:
             self.stats.add(load_in_place_retries=1)
             return None  # its blocks are all written again (or recomputed)
         trace.mark("load.copied")
-        self._touch_later(hashes)
-        self.stats.add(load_in_place_chunks=len(read.buffers))
+        self._read_in_place(hashes, len(read.buffers))
         return len(read.buffers), num_blocks
+
+    def _check_late(
+        self, plan: LoadPlan, hashes: Sequence[bytes], read: InPlaceRead, events: LayerEvents
+    ) -> None:
+        """A read in place whose layers copied beside the forward pass, checked after
+        it: the forward pass has used the bytes, so a chunk that changed meanwhile (or a
+        failed copy) cannot be copied again under a lease; vLLM recomputes its blocks."""
+        try:
+            events.synchronize()
+            num_good = read.unchanged()
+        except Exception:
+            logger.exception("lmcache-svc: copying chunks read in place failed")
+            num_good = 0
+        if num_good < len(read.buffers):
+            trace.mark("load.changed")
+            self.stats.add(load_in_place_late_changes=1)
+            bad = self._chunk_blocks(plan)[num_good:]
+            self._record_failures(self._failed(plan, [b for _, ids in bad for b in ids]))
+        if num_good:
+            self._read_in_place(hashes[:num_good], num_good)
+
+    def _read_in_place(self, hashes: Sequence[bytes], num_chunks: int) -> None:
+        """Chunks read in place and checked: the server hears of them later."""
+        self._touch_later(hashes)
+        self.stats.add(load_in_place_chunks=num_chunks)
 
     def _touch_later(self, hashes: Sequence[bytes]) -> None:
         """Tell the server about chunks read in place at the next step (or, on an idle
@@ -405,27 +467,35 @@ class WorkerSide:
         events: LayerEvents | None = None
         try:
             self._pin(acquired.buffers)
-            events, num_loaded_blocks = self._copy_in(plan, acquired.buffers)
-            if step and self._layerwise:
-                self._step_loads.append(events)
+            events, num_loaded_blocks = self._copy_in(plan, acquired.buffers, step)
+            copying, copied = events, num_loaded_blocks
+            if step and self._beside_forward(copying):
+                self._step_loads.append(copying)
+                self._step_checks.append(lambda: self._check_copied(plan, copying, copied))
+            elif step and self._layerwise:
+                self._step_loads.append(copying)
             else:
-                events.synchronize()
+                copying.synchronize()
         except Exception:  # never into vLLM: the blocks are recomputed instead
             logger.exception("lmcache-svc: copying loaded chunks failed")
             num_loaded_blocks = 0
         finally:  # once the bytes are copied, off the step
-            trace.mark("load.copied")
+            if events is None or not self._beside_forward(events):
+                trace.mark("load.copied")  # else the copy thread marks it
             self._in_background(self._release_after, events, acquired)
         return min(len(acquired.buffers), len(plan.hashes_for(self.tp_rank))), num_loaded_blocks
 
-    def _copy_in(self, plan: LoadPlan, buffers: Sequence[memoryview]) -> tuple[LayerEvents, int]:
-        """Start copying chunk ``buffers`` into the plan's blocks; (events, blocks)."""
+    def _copy_in(
+        self, plan: LoadPlan, buffers: Sequence[memoryview], step: bool
+    ) -> tuple[LayerEvents, int]:
+        """Start copying chunk ``buffers`` into the plan's blocks (on the copy
+        thread when ``step`` is set and the load is big enough); (events, blocks)."""
         assert self._pages is not None and self._mover is not None
         chunks = [
             ChunkLoad(buffer, first, block_ids)
             for (first, block_ids), buffer in zip(self._chunk_blocks(plan), buffers)
         ]
-        return self._mover.load(chunks), sum(len(c.block_ids) for c in chunks)
+        return self._mover.load(chunks, beside=step), sum(len(c.block_ids) for c in chunks)
 
     def _prefetched(self, req_id: str, hashes: Sequence[bytes]) -> Acquired | None:
         if self._prefetches is None:
@@ -435,10 +505,25 @@ class WorkerSide:
             trace.mark("load.prefetched")
         return acquired
 
-    def _release_after(self, events: LayerEvents | None, acquired: Any) -> None:
-        if events is not None:
+    def _beside_forward(self, events: LayerEvents) -> bool:
+        """A load still copying on the copy thread (``overlap_loads``)."""
+        return self._copier is not None and not events.done()
+
+    def _check_copied(self, plan: LoadPlan, events: LayerEvents, num_blocks: int) -> None:
+        """After the forward pass: a leased load that copied beside it; if a
+        copy failed, its blocks are recomputed."""
+        try:
             events.synchronize()
-        self.link.release(acquired)
+        except Exception:
+            logger.exception("lmcache-svc: copying loaded chunks failed")
+            self._record_failures(self._failed(plan, list(plan.block_ids[:num_blocks])))
+
+    def _release_after(self, events: LayerEvents | None, acquired: Any) -> None:
+        try:
+            if events is not None:
+                events.synchronize()  # a failed copy is over too (its step check reports it)
+        finally:
+            self.link.release(acquired)
 
     def _pin(self, buffers: Sequence[memoryview]) -> None:
         if self._pinner is not None and buffers:

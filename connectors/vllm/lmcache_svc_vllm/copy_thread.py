@@ -1,0 +1,92 @@
+"""CPU loads beside the forward pass: one copy thread and the per-layer events it sets.
+
+On the CPU a load's copies used to run in ``start_load_kv``, before the forward pass, so a
+hit's first token waited for every layer's copy. vLLM waits for a layer's KV only just
+before that layer's attention (``wait_for_layer_load``), so a big load hands its layers to
+a ``CopyThread``, off the cores vLLM bound the forward pass to (``cores.py``): layer 0
+copies while the forward pass embeds the tokens and projects layer 0's queries, layer 1
+while layer 0 computes, and so on. numpy releases the GIL while it copies.
+
+Each layer's ``ThreadEvent`` is set once that layer's copies are done (or failed). On the
+CPU the host is the device, so waiting "on the device" blocks the caller; it never raises
+into the forward pass: a failed copy raises from ``synchronize``, where the worker turns it
+into blocks that vLLM recomputes.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+
+from lmcache_svc_vllm import trace
+from lmcache_svc_vllm.cores import off_compute_cores
+
+logger = logging.getLogger(f"vllm.{__name__}")
+
+
+class CopyFailed(RuntimeError):
+    """A layer's copies on the copy thread raised; its blocks hold no valid KV."""
+
+
+class ThreadEvent:
+    """A point on the copy thread: set once the copies before it are done or failed."""
+
+    def __init__(self) -> None:
+        self._done = threading.Event()
+        self._error: BaseException | None = None
+
+    def set(self, error: BaseException | None = None) -> None:
+        self._error = error
+        self._done.set()
+
+    def synchronize(self) -> None:
+        """Wait for the copies; raise ``CopyFailed`` if they failed."""
+        self._done.wait()
+        if self._error is not None:
+            raise CopyFailed(f"copy on the copy thread failed: {self._error!r}") from self._error
+
+    def wait_on_device(self) -> None:
+        """The forward pass's wait: until the copies are done (never raises into vLLM)."""
+        self._done.wait()
+
+    def query(self) -> bool:
+        return self._done.is_set()
+
+
+class CopyThread:
+    """Runs layer copies in submission order on one thread off the compute cores."""
+
+    def __init__(self) -> None:
+        self._pool = ThreadPoolExecutor(
+            1, thread_name_prefix="lmcache-svc-copy", initializer=off_compute_cores
+        )
+        self._pool.submit(lambda: None).result()  # started now, not on a request's path
+
+    def copy_layers(
+        self, copy_layer: Callable[[int], None], layers: Sequence[int]
+    ) -> list[ThreadEvent]:
+        """Call ``copy_layer(layer)`` for each of ``layers`` in order on the thread; one
+        event per layer, set after its copy. A copy that raises fails its layer and every
+        later one (they are not attempted). Raises ``RuntimeError`` after ``shutdown``."""
+        events = [ThreadEvent() for _ in layers]
+
+        def run() -> None:
+            for i, (layer, event) in enumerate(zip(layers, events)):
+                try:
+                    copy_layer(layer)
+                except BaseException as e:  # every waiter must wake: fail the rest
+                    logger.exception("lmcache-svc: copying layer %d on the copy thread", layer)
+                    for later in events[i:]:
+                        later.set(e)
+                    return
+                event.set()
+            trace.mark("load.copied")
+
+        self._pool.submit(run)
+        return events
+
+    def shutdown(self) -> None:
+        """Finish the copies submitted so far, then stop the thread."""
+        self._pool.shutdown(wait=True)
