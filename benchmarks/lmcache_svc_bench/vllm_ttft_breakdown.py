@@ -92,17 +92,34 @@ def _between(marks: Marks, span: tuple[float, float], first: str, second: str) -
     return (min(end, hi) if end is not None else hi) - start
 
 
-def _load_parts(marks: Marks, span: tuple[float, float]) -> tuple[float, float]:
-    """(finding the chunks, copying them) in ms inside one ``start_load_kv`` span: the copy
-    starts at the last ``load.acquired`` or ``load.located`` before ``load.copied``."""
+def _load_parts(
+    marks: Marks, span: tuple[float, float], waits: Sequence[tuple[float, float]]
+) -> tuple[float, float]:
+    """(finding the chunks, copying them) in ms for one ``start_load_kv`` span: the copy
+    starts at the last ``load.acquired`` or ``load.located`` before ``load.copied``. A load
+    copied beside the forward pass (``overlap_loads``: ``load.copied`` only after the span)
+    copies from its last find to the span's end (the hand-over) and while the forward pass
+    waits for its layers (``waits``: the ``wait_for_layer_load`` spans after it)."""
     lo, hi = span
     inside = [(ms, n) for ms, n in marks if lo <= ms <= hi]
     copied = next((ms for ms, n in inside if n == "load.copied"), None)
+    found = [ms for ms, n in inside if n in ("load.acquired", "load.located")]
     if copied is None:
-        return hi - lo, 0.0
-    found = [ms for ms, n in inside if n in ("load.acquired", "load.located") and ms <= copied]
+        if not found or first_mark(marks, "load.copied", hi) is None:
+            return hi - lo, 0.0
+        return found[-1] - lo, hi - found[-1] + sum(b - a for a, b in waits)
+    found = [ms for ms in found if ms <= copied]
     start = found[-1] if found else lo
     return start - lo, copied - start
+
+
+def _waits_after(
+    loads: Sequence[tuple[float, float]], waits: Sequence[tuple[float, float]]
+) -> list[list[tuple[float, float]]]:
+    """For each load span, the layer waits between its end and the next load's start."""
+    ends = [hi for _, hi in loads]
+    starts = [lo for lo, _ in loads[1:]] + [float("inf")]
+    return [[w for w in waits if end <= w[0] < nxt] for end, nxt in zip(ends, starts)]
 
 
 def breakdown(sample: Sample) -> Breakdown:
@@ -110,7 +127,8 @@ def breakdown(sample: Sample) -> Breakdown:
     spans = hook_spans(marks)
     total = sum(b - a for s in spans.values() for a, b in s)
     loads, saves = spans.get("start_load_kv", []), spans.get("wait_for_save", [])
-    parts = [_load_parts(marks, s) for s in loads]
+    waits = _waits_after(loads, spans.get("wait_for_layer_load", []))
+    parts = [_load_parts(marks, s, w) for s, w in zip(loads, waits)]
     load_lease = sum(p[0] for p in parts)
     load_copy = sum(p[1] for p in parts)
     save_wait = sum(_between(marks, s, "", "save.reserved") for s in saves)

@@ -159,6 +159,25 @@ def test_breakdown_of_a_load_read_in_place() -> None:
     assert (b.load_lease, b.load_copy) == (pytest.approx(1.9), pytest.approx(0.5))
 
 
+def test_breakdown_of_a_load_copied_beside_the_forward_pass() -> None:
+    """overlap_loads: the copy thread marks load.copied after start_load_kv returned; the
+    copy on the request's path is the hand-over in the hook and the forward pass's waits
+    for its layers, not the copy thread's whole time."""
+    beside = [
+        (0.0, "ttft.add"), (0.1, "step>"), (1.0, "start_load_kv>"), (1.1, "load.located"),
+        (1.3, "start_load_kv<"), (2.0, "wait_for_layer_load>"), (2.4, "wait_for_layer_load<"),
+        (3.0, "load.copied"), (3.5, "wait_for_layer_load>"), (3.6, "wait_for_layer_load<"),
+        (5.0, "step<"), (5.0, "ttft.first"),
+    ]  # fmt: skip
+    b = breakdown(Sample(0.005, [1], 512, beside))
+    assert (b.load_lease, b.load_copy) == (pytest.approx(0.1), pytest.approx(0.7))
+    assert b.other_hooks == pytest.approx(0.0)  # the waits counted once, as the copy's
+    # A load that failed before any copy: its whole span is finding, nothing copied.
+    failed = [m for m in beside if m[1] != "load.copied"]
+    b = breakdown(Sample(0.005, [1], 512, failed))
+    assert (b.load_lease, b.load_copy) == (pytest.approx(0.3), 0.0)
+
+
 @pytest.mark.slow
 @pytest.mark.vllm
 @pytest.mark.timeout(1200)
