@@ -10,7 +10,8 @@ request's marks (``Sample.marks``, up to its first token) this module takes:
   thread's answer; deferred: scheduler steps that went on without it;
 - load: ``start_load_kv``, split into finding the chunks (the lease, a ``prepare_load``
   round trip, or, reading in place, the lookup index; both after a read in place that had
-  to be redone) and the copies into vLLM's blocks;
+  to be redone) and the copies into vLLM's blocks (a load copied beside the forward pass,
+  ``overlap_loads``: the hand-over in the hook and the forward pass's waits for its layers);
 - save: ``wait_for_save``, split into waiting for the slot reservation and the copies;
 - other hooks: the rest of the plugin's hook time (both halves);
 - vLLM: everything outside the plugin's hooks (scheduling, the forward pass, the engine's
@@ -195,7 +196,8 @@ def breakdown_table(
         "lookup: the scheduler's first get_num_new_matched_tokens to the lookup thread's "
         "answer (off the engine's path unless it is deferred). load: start_load_kv, finding "
         "the chunks (the lease, prepare_load, or reading in place the lookup index) then the "
-        "copies into vLLM's blocks. save: wait_for_save, the wait for "
+        "copies into vLLM's blocks (copied beside the forward pass: the hand-over and the "
+        "forward pass's waits for the layers). save: wait_for_save, the wait for "
         "the slots reserved during the forward pass then the copies out. other hooks: the "
         "plugin's remaining hook time, both halves. outside hooks: TTFT minus the plugin's "
         "hooks (vLLM's scheduling, forward pass and process hops).",
