@@ -9,7 +9,8 @@ recompute. The file is then renamed to ``*.done``.
 
 Second fault: while the file named by ``$LMCACHE_SVC_TEST_SLOW_COPY_FILE`` holds a number of
 seconds, the worker's copy thread (``overlap_loads``) sleeps that long before each layer's
-copy, so the forward pass reaches a layer before its KV is in place and must wait for it.
+copy, so the forward pass reaches a layer before its KV is in place and must wait for it;
+each delayed layer appends a line to ``<file>.layers``.
 Nothing else differs from ``LMCacheSvcConnector``.
 """
 
@@ -94,6 +95,8 @@ def _slow_copy_layers(
     def copy_late(layer: int) -> None:
         time.sleep(delay_s)
         copy_layer(layer)
+        with open(os.environ[SLOW_COPY_ENV] + ".layers", "a") as delayed:
+            delayed.write(f"{layer}\n")
 
     return _copy_layers(self, copy_late, layers)
 
