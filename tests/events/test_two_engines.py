@@ -13,6 +13,7 @@ from __future__ import annotations
 import random
 import secrets
 import shutil
+import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,6 +40,8 @@ from tests.vllm.e2e import MAX_DRAWS, MAX_TOKENS, MIN_MARGIN, tiny_model_namespa
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(900)]
 CHUNK = 128  # the plugin's default on the CPU backend: one vLLM block per chunk
 PROMPT_LEN = 4 * CHUNK + 20  # four full chunks and a tail
+LOOKUP_TIMEOUT_MS = 1000
+SIDECAR_SERIES = ("lmcache_svc_lookup", "lmcache_svc_tier_breaker", "lmcache_svc_tier_errors")
 
 
 @dataclass
@@ -73,7 +76,12 @@ def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
             )
         a, _ = start_engine("a", model_dir, tmp / "a", servers[0])
         engines.append(a)
-        b, b_endpoint = start_engine("b", model_dir, tmp / "b", servers[1])
+        # B's lookups go to Redis Cluster: a deadline of 1 s, not the default 0.1 s, so a
+        # loaded 2-core CI host (two engines, two sidecars, three Redis nodes) does not
+        # turn the hit this module checks into a miss by the lookup's deadline
+        b, b_endpoint = start_engine(
+            "b", model_dir, tmp / "b", servers[1], lookup_timeout_ms=LOOKUP_TIMEOUT_MS
+        )
         engines.append(b)
         stream = VllmReader.start(b_endpoint)
         yield Pair(model_dir, cluster, prefix, servers, a, b, stream)
@@ -128,6 +136,20 @@ def node_holding(pair: Pair, chunk_hash: bytes) -> RedisProc:
     return next(p for p in pair.cluster.nodes if p.port == port)
 
 
+def why_not_a_hit(pair: Pair) -> str:
+    """What B's plugin and sidecar say about lookups and Redis, for a failed hit's message."""
+    plugin = {k: v for k, v in pair.b.metrics().items() if "lookup" in k or "load" in k}
+    with urllib.request.urlopen(f"{pair.servers[1].http_url}/metrics", timeout=10) as reply:
+        server = [
+            line for line in reply.read().decode().splitlines()
+            if line.startswith(SIDECAR_SERIES)
+        ]  # fmt: skip
+    return (
+        f"B's plugin: {plugin}\nB's sidecar: {server}\n"
+        f"its log: {pair.servers[1].log()[-3000:]}\nB's engine log: {pair.b.log_tail(3000)}"
+    )
+
+
 def test_a_prompt_engine_a_computed_is_a_remote_hit_for_engine_b(pair: Pair) -> None:
     prompt, expected = wide_margin_prompt(pair.a, seed=1)
     wait_held_by_b(pair, prompt)
@@ -150,7 +172,8 @@ def test_a_prompt_engine_a_computed_is_a_remote_hit_for_engine_b(pair: Pair) -> 
     assert all(e["block_size"] == CHUNK for e in remote)
 
     (out,) = pair.b.generate([prompt], MAX_TOKENS)
-    assert out["num_cached_tokens"] == 4 * CHUNK  # every full chunk, from Redis through B
+    # every full chunk, from Redis through B
+    assert out["num_cached_tokens"] == 4 * CHUNK, why_not_a_hit(pair)
     assert out["token_ids"] == expected
 
 
