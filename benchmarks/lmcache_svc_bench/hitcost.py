@@ -1,10 +1,10 @@
 """``bench hitcost``: what a hit costs beyond vLLM's own prefix hit, measured in pairs.
 
-``bench ttft`` runs its engines one after another; on a small host the TTFT of the same
-request drifts by several milliseconds between runs, more than the fixed cost it is after.
-Here every engine is up at once and the requests alternate between them, one at a time, so
-each query's TTFTs on the different engines are taken within seconds of each other and
-compared as pairs:
+On a small host the TTFT of the same request drifts by several milliseconds between runs,
+more than the fixed cost this is after. Here (as in ``bench ttft``, ``vllm/rounds.py``)
+every engine is up at once and the requests alternate between them, one at a time, so each
+query's TTFTs on the different engines are taken within seconds of each other; and they are
+compared as pairs, with a control pair:
 
   c    vLLM's own prefix cache: the context run once in the engine, then each query hits it
   cn   the same with a KV connector that does nothing (``vllm/noop_connector.py``): what
@@ -66,6 +66,7 @@ from lmcache_svc_bench.stats import median, percentile
 from lmcache_svc_bench.ttft import Params, make_workload
 from lmcache_svc_bench.vllm.bench_model import Shape
 from lmcache_svc_bench.vllm.engines import EngineProc
+from lmcache_svc_bench.vllm.rounds import IDLE_S, check_rounds, rotated, round_queries
 from lmcache_svc_bench.vllm_common import (
     BLOCK_SIZE,
     kv_bytes_per_token,
@@ -84,7 +85,6 @@ from lmcache_svc_bench.vllm_ttft import (
 )
 from lmcache_svc_bench.vllm_ttft_breakdown import first_mark, memcpy_gbps
 
-IDLE_S = 1.3
 KV_CACHE_GIB = 1  # every engine's; the cold copy's destination is as large
 ENGINES = ("c", "cn", "cp", "b")
 NOOP_CONNECTOR = {
@@ -128,8 +128,7 @@ def run(ctx: BenchContext) -> Report:
     cold_repeats = ctx.option("cold_repeats", 3 if quick else 7)
     rounds = ctx.option("engine_rounds", 2 if quick else 3)
     b_settings = plugin_settings(ctx)
-    if not 1 <= rounds <= p.num_queries:
-        raise ValueError(f"engine_rounds must be 1 to num_queries ({p.num_queries}), got {rounds}")
+    check_rounds(rounds, p.num_queries)
     shape = shape_named(p.model)
     workload = make_workload(p)
     model_dir = make_model(ctx.work_dir, p.model)
@@ -240,23 +239,13 @@ def _query(
 
 
 def start_order(r: int) -> tuple[str, ...]:
-    """The order round ``r`` starts its engines in: ``ENGINES`` rotated by ``r``, so no
-    engine is always the first one up (on one host the first engine started ran 2-4 ms
-    slower than an identical one started after it, whatever its name)."""
-    k = r % len(ENGINES)
-    return ENGINES[k:] + ENGINES[:k]
-
-
-def round_queries(r: int, rounds: int, num_queries: int) -> range:
-    """The queries of round ``r`` of ``rounds``: consecutive, as even a share as can be."""
-    return range(r * num_queries // rounds, (r + 1) * num_queries // rounds)
+    """The order round ``r`` starts its engines in: ``ENGINES`` rotated by ``r``."""
+    return rotated(ENGINES, r)
 
 
 def query_order(i: int) -> tuple[str, ...]:
-    """The engines in the order query ``i`` runs on them: ``ENGINES`` rotated by ``i``, so
-    over any ``len(ENGINES)`` consecutive queries each engine runs once in every place."""
-    k = i % len(ENGINES)
-    return ENGINES[k:] + ENGINES[:k]
+    """The engines in the order query ``i`` runs on them: ``ENGINES`` rotated by ``i``."""
+    return rotated(ENGINES, i)
 
 
 def _contexts(quick: bool) -> str:

@@ -19,7 +19,14 @@ default: unset, so the plugin derives it from the block size), ``strategies`` (o
 a,b,b256,bl,bp,c,d; b256 is (b) with ``chunk_size: 256``, the plugin's default before it was
 derived from the block size; bl is (b) with ``read_in_place: false``, every load under a
 lease, the plugin's default before loads were read in place; bp is (b) with a store pool of
-64 slots, ``tuning.store_pool_chunks``: no reservation call in a step), ``seed``.
+64 slots, ``tuning.store_pool_chunks``: no reservation call in a step), ``seed``,
+``engine_rounds`` (3 by default, 1 in ``--quick``).
+
+The engines of the strategies are up at once and take each query in a rotating order, one
+request at a time, each idle a moment before it, in rounds of fresh engines started in a
+rotated order (``vllm/rounds.py``, as ``bench hitcost``). Run one engine after another, the
+same request's TTFT drifted by several milliseconds between engines on a 2-vCPU host, more
+than the fixed cost of a hit that the targets weigh.
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ from lmcache_svc_bench.procs import start_server
 from lmcache_svc_bench.report import Report
 from lmcache_svc_bench.runner import BenchContext
 from lmcache_svc_bench.vllm.engines import example_connector_config
+from lmcache_svc_bench.vllm.rounds import check_rounds
 from lmcache_svc_bench.vllm_common import (
     MAX_MODEL_LEN,
     kv_bytes_per_token,
@@ -43,14 +51,13 @@ from lmcache_svc_bench.vllm_common import (
     wait_for_commits,
 )
 from lmcache_svc_bench.vllm_ttft import (
+    PLUGIN_DEFAULT_CHUNK,
     Results,
     Setup,
+    Strategy,
     Workload,
-    example_connector,
-    lmcache_svc,
+    measure_side_by_side,
     plugin_config,
-    prompt_only,
-    vllm_prefix_cache,
     write_contexts,
 )
 from lmcache_svc_bench.vllm_ttft_breakdown import memcpy_gbps
@@ -77,6 +84,7 @@ class Params:
     chunk_size: int | None  # None: the plugin's default
     strategies: tuple[str, ...]
     seed: int
+    engine_rounds: int = 1
 
     def check(self) -> None:
         shape_named(self.model)
@@ -93,6 +101,7 @@ class Params:
             raise ValueError(f"chunk_size must be positive, got {self.chunk_size}")
         if min(self.contexts + self.queries) < 1 or self.num_queries < 1 or self.max_tokens < 1:
             raise ValueError("contexts, queries, num_queries and max_tokens must be positive")
+        check_rounds(self.engine_rounds, self.num_queries)
 
 
 def params(ctx: BenchContext) -> Params:
@@ -106,6 +115,7 @@ def params(ctx: BenchContext) -> Params:
         chunk_size=_optional_int(ctx.option("chunk_size", None)),
         strategies=tuple(ctx.option("strategies", QUICK_STRATEGIES if quick else FULL).split(",")),
         seed=ctx.option("seed", 0),
+        engine_rounds=ctx.option("engine_rounds", 1 if quick else 3),
     )
     p.check()
     return p
@@ -168,32 +178,30 @@ def run(ctx: BenchContext) -> Report:
 def _run_strategies(
     setup: Setup, workload: Workload, p: Params, storage_dir: Path
 ) -> dict[str, Results]:
-    results: dict[str, Results] = {}
+    """The writers of (b) and (d) first (one at a time), then every strategy's engine side
+    by side (``measure_side_by_side``)."""
+    strategies: list[Strategy] = []
+    num_chunks = 0
     try:
         for name in p.strategies:
-            setup.progress(f"strategy {name}")
             if name == "a":
-                results[name] = prompt_only(setup, workload)
+                strategies.append(Strategy(name))
             elif name == "c":
-                results[name] = vllm_prefix_cache(setup, workload)
+                strategies.append(Strategy(name, prefix_caching=True, contexts_first=True))
             elif name == "d":
                 storage_dir.mkdir(parents=True, exist_ok=True)
-                write_contexts(setup, workload, name, example_connector_config(storage_dir))
-                results[name] = example_connector(setup, workload, storage_dir)
+                config = example_connector_config(storage_dir)
+                write_contexts(setup, workload, name, config)
+                strategies.append(Strategy(name, config))
             else:
                 chunk_size = EXPLICIT_CHUNKS.get(name, p.chunk_size)
-                settings = PLUGIN_SETTINGS.get(name, {})
-                config = plugin_config(setup, chunk_size, **settings)
-                held_before = wait_for_commits(setup.server_socket, 0)
+                config = plugin_config(setup, chunk_size, **PLUGIN_SETTINGS.get(name, {}))
                 write_contexts(setup, workload, name, config)
-                results[name] = lmcache_svc(
-                    setup,
-                    workload,
-                    chunk_size=chunk_size,
-                    name=f"{name}-lmcache",
-                    held_before=held_before,
-                    **settings,
-                )
+                chunk = PLUGIN_DEFAULT_CHUNK if chunk_size is None else chunk_size
+                num_chunks += sum(len(c) // chunk for c in workload.contexts.values())
+                strategies.append(Strategy(name, config))
+        held = wait_for_commits(setup.server_socket, num_chunks)
+        setup.progress(f"the server holds {held} chunks (the contexts alone: {num_chunks})")
+        return measure_side_by_side(setup, workload, strategies, p.engine_rounds)
     finally:
         shutil.rmtree(storage_dir, ignore_errors=True)
-    return results

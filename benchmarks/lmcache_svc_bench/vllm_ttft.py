@@ -1,8 +1,9 @@
 """The four ways of serving "context + query" that ``bench ttft`` compares, one engine each.
 
-Every strategy gets the same prompts and returns one ``Sample`` per (cell, query). Engines
-run one after another (never two computing at once), each with the same block size, batch
-limit, KV space and core reservation (``vllm_common.start_engine``).
+Every strategy gets the same prompts and returns one ``Sample`` per (cell, query). The
+engines are up at once and take each query in turn, one request at a time (never two
+computing at once), in rounds of fresh engines (``vllm/rounds.py``), each with the same
+block size, batch limit, KV space and core reservation (``vllm_common.start_engine``).
 
   a   prompt only: vLLM's prefix cache off, every prompt computed in full
   b   lmcache-svc: a writer engine (plugin on) computes each context and stores it into the
@@ -18,13 +19,15 @@ limit, KV space and core reservation (``vllm_common.start_engine``).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from lmcache_svc_bench.vllm.engines import EngineProc, example_connector_config, kv_transfer_config
-from lmcache_svc_bench.vllm_common import BLOCK_SIZE, start_engine, wait_for_commits
+from lmcache_svc_bench.vllm.engines import EngineProc, kv_transfer_config
+from lmcache_svc_bench.vllm.rounds import IDLE_S, check_rounds, rotated, round_queries
+from lmcache_svc_bench.vllm_common import BLOCK_SIZE, start_engine
 
 Cell = tuple[int, int]  # (context tokens, query tokens)
 # The plugin's default chunk for the benchmarks' block size: the smallest multiple of the
@@ -64,48 +67,73 @@ class Setup:
     progress: Callable[[str], None]
 
 
-def measure(engine: EngineProc, workload: Workload, progress: Callable[[str], None]) -> Results:
-    """Warm the engine up, then time every (cell, query) of the workload."""
-    engine.ttft(workload.warmup, workload.max_tokens)
-    return {cell: _measure_cell(engine, workload, cell, progress) for cell in workload.queries}
+@dataclass(frozen=True)
+class Strategy:
+    """One engine of the comparison: its KV transfer config, whether vLLM's prefix cache
+    is on, and whether it computes the contexts itself before its queries ((c))."""
+
+    name: str
+    kv_config: dict[str, Any] | None = None
+    prefix_caching: bool = False
+    contexts_first: bool = False
 
 
-def _measure_cell(
-    engine: EngineProc, workload: Workload, cell: Cell, progress: Callable[[str], None]
-) -> list[Sample]:
-    samples = []
-    for prompt in workload.prompts(cell):
-        out = engine.ttft(prompt, workload.max_tokens)
-        marks = [(float(ms), str(name)) for ms, name in out.get("marks", [])]
-        samples.append(
-            Sample(out["ttft_s"], out["token_ids"], int(out["num_cached_tokens"]), marks)
-        )
-    ms = ", ".join(f"{s.ttft_s * 1e3:.0f}" for s in samples)
-    progress(f"  {engine.name}: context {cell[0]}, query {cell[1]}: TTFT {ms} ms")
-    return samples
-
-
-def prompt_only(setup: Setup, workload: Workload) -> Results:
-    engine = _start(setup, "a-prompt-only", prefix_caching=False)
-    try:
-        return measure(engine, workload, setup.progress)
-    finally:
-        engine.close()
-
-
-def vllm_prefix_cache(setup: Setup, workload: Workload) -> Results:
-    engine = _start(setup, "c-vllm-prefix")
-    try:
-        engine.ttft(workload.warmup, workload.max_tokens)
-        results: Results = {}
-        for length, context in workload.contexts.items():
-            engine.generate([context], 1)  # the context, computed once
+def measure_side_by_side(
+    setup: Setup, workload: Workload, strategies: Sequence[Strategy], rounds: int
+) -> dict[str, Results]:
+    """Every strategy's engine up at once, each query run on every engine in a rotating
+    order (each engine idle ``IDLE_S`` before it), in ``rounds`` of fresh engines started
+    in a rotated order (``vllm/rounds.py``). The contexts of (b) and (d) must be written."""
+    names = [s.name for s in strategies]
+    by_name = {s.name: s for s in strategies}
+    check_rounds(rounds, min(len(q) for q in workload.queries.values()))
+    results: dict[str, Results] = {name: {cell: [] for cell in workload.queries} for name in names}
+    for r in range(rounds):
+        engines: dict[str, EngineProc] = {}
+        try:
+            for name in rotated(names, r):
+                s = by_name[name]
+                engines[name] = _start(
+                    setup, f"{name}-{r}", kv_config=s.kv_config, prefix_caching=s.prefix_caching
+                )
+            _warm(engines, by_name, workload)
             for cell in workload.queries:
-                if cell[0] == length:
-                    results[cell] = _measure_cell(engine, workload, cell, setup.progress)
-        return results
-    finally:
-        engine.close()
+                prompts = workload.prompts(cell)
+                for i in round_queries(r, rounds, len(prompts)):
+                    for name in rotated(names, i):
+                        time.sleep(IDLE_S)
+                        out = engines[name].ttft(prompts[i], workload.max_tokens)
+                        results[name][cell].append(_sample(out))
+                _progress(setup, results, cell, f"round {r + 1} of {rounds}")
+        finally:
+            for engine in engines.values():
+                engine.close()
+    return results
+
+
+def _warm(
+    engines: dict[str, EngineProc], strategies: dict[str, Strategy], workload: Workload
+) -> None:
+    """Each engine's first request, then (c)'s contexts into vLLM's own cache."""
+    for name, engine in engines.items():
+        time.sleep(IDLE_S)
+        engine.ttft(workload.warmup, workload.max_tokens)
+        if strategies[name].contexts_first:
+            for context in workload.contexts.values():
+                engine.generate([context], 1)
+
+
+def _sample(out: dict[str, Any]) -> Sample:
+    marks = [(float(ms), str(name)) for ms, name in out.get("marks", [])]
+    return Sample(out["ttft_s"], out["token_ids"], int(out["num_cached_tokens"]), marks)
+
+
+def _progress(setup: Setup, results: dict[str, Results], cell: Cell, where: str) -> None:
+    ttfts = "; ".join(
+        f"{name} " + ", ".join(f"{s.ttft_s * 1e3:.0f}" for s in by_cell[cell])
+        for name, by_cell in results.items()
+    )
+    setup.progress(f"  {where}, context {cell[0]}, query {cell[1]}: TTFT ms {ttfts}")
 
 
 def write_contexts(setup: Setup, workload: Workload, name: str, config: dict[str, Any]) -> None:
@@ -129,39 +157,6 @@ def plugin_config(setup: Setup, chunk_size: int | None, **settings: Any) -> dict
     if chunk_size is not None:
         settings = {**settings, "chunk_size": chunk_size}
     return kv_transfer_config(setup.server_socket, **settings)
-
-
-def lmcache_svc(
-    setup: Setup,
-    workload: Workload,
-    *,
-    chunk_size: int | None,
-    name: str,
-    held_before: int = 0,
-    **settings: Any,
-) -> Results:
-    """Measure (b); the contexts must have been written with ``plugin_config``, after the
-    server held ``held_before`` chunks. ``settings``: other plugin settings of the engine."""
-    chunk = PLUGIN_DEFAULT_CHUNK if chunk_size is None else chunk_size
-    num_chunks = sum(len(c) // chunk for c in workload.contexts.values())
-    held = wait_for_commits(setup.server_socket, held_before + num_chunks) - held_before
-    setup.progress(f"  the server holds {held} chunks (the contexts alone: {num_chunks})")
-    config = plugin_config(setup, chunk_size, **settings)
-    engine = _start(setup, name, kv_config=config, prefix_caching=False)
-    try:
-        return measure(engine, workload, setup.progress)
-    finally:
-        engine.close()
-
-
-def example_connector(setup: Setup, workload: Workload, storage_dir: Path) -> Results:
-    """Measure (d); the contexts must have been written with ``example_connector_config``."""
-    config = example_connector_config(storage_dir)
-    engine = _start(setup, "d-example", kv_config=config, prefix_caching=False)
-    try:
-        return measure(engine, workload, setup.progress)
-    finally:
-        engine.close()
 
 
 def _start(setup: Setup, name: str, **kwargs: Any) -> EngineProc:

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 from lmcache_svc_bench import plots
 from lmcache_svc_bench.report import Report
 from lmcache_svc_bench.stats import median
+from lmcache_svc_bench.vllm.rounds import IDLE_S
 from lmcache_svc_bench.vllm_ttft import PLUGIN_DEFAULT_CHUNK, Cell, Results
 from lmcache_svc_bench.vllm_ttft_breakdown import breakdown_table, fixed_cost_target, traced
 
@@ -215,7 +216,10 @@ def _ttft_table(
     table.notes += [
         f"TTFT: one request at a time, timed in the engine process from add_request to the "
         f"first streamed token; median of {p.num_queries} different random queries per cell; "
-        f"{p.max_tokens} greedy tokens per request compared across strategies.",
+        f"{p.max_tokens} greedy tokens per request compared across strategies. The engines "
+        f"were up at once and took each query in a rotating order, each idle "
+        f"{IDLE_S} s before it, in {p.engine_rounds} round(s) of fresh engines started in a "
+        "rotated order (vllm/rounds.py).",
         "(a) prefix cache off; (b) fresh engine, plugin on, prefix cache off, contexts stored "
         f"by another engine ({_chunk_note(p)}); (c) same engine, context run "
         "first; (d) fresh engine, prefix cache off, ExampleConnector files written by another "

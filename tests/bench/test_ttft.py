@@ -9,11 +9,20 @@ from pathlib import Path
 
 import pytest
 
+from lmcache_svc_bench import vllm_ttft
 from lmcache_svc_bench.report import Report
 from lmcache_svc_bench.runner import BenchContext, run_benchmark
 from lmcache_svc_bench.ttft import EXPLICIT_CHUNKS, make_workload, params
 from lmcache_svc_bench.vllm.engines import VLLM_PYTHON
-from lmcache_svc_bench.vllm_ttft import PLUGIN_DEFAULT_CHUNK, Sample, Setup, plugin_config
+from lmcache_svc_bench.vllm_ttft import (
+    PLUGIN_DEFAULT_CHUNK,
+    Sample,
+    Setup,
+    Strategy,
+    Workload,
+    measure_side_by_side,
+    plugin_config,
+)
 from lmcache_svc_bench.vllm_ttft_breakdown import breakdown
 from lmcache_svc_bench.vllm_ttft_report import (
     memos_speedup,
@@ -41,6 +50,8 @@ def test_params_reject_bad_input(tmp_path: Path) -> None:
         params(_ctx(tmp_path, chunk_size="big"))
     with pytest.raises(ValueError, match="chunk_size must be positive"):
         params(_ctx(tmp_path, chunk_size="0"))
+    with pytest.raises(ValueError, match=r"engine_rounds must be 1 to num_queries \(2\)"):
+        params(_ctx(tmp_path, engine_rounds="3"))
 
 
 def test_b_runs_the_plugin_defaults(tmp_path: Path) -> None:
@@ -53,6 +64,77 @@ def test_b_runs_the_plugin_defaults(tmp_path: Path) -> None:
     assert plugin_config(setup, 256)["kv_connector_extra_config"]["chunk_size"] == 256
     assert PLUGIN_DEFAULT_CHUNK == 128  # vLLM's CPU block size, the benchmarks' engines'
     assert EXPLICIT_CHUNKS == {"b256": 256}
+
+
+class FakeEngine:
+    """Stands in for an engine process in the driver's bookkeeping (no vLLM involved):
+    records every request in one shared log, in the order the driver sent them."""
+
+    def __init__(self, name: str, log: list[tuple[str, str, int]], fail_on: int | None) -> None:
+        self.name, self.log, self.fail_on = name, log, fail_on
+        self.closed = False
+
+    def ttft(self, prompt: list[int], max_tokens: int) -> dict[str, object]:
+        self.log.append((self.name, "ttft", len(prompt)))
+        if len(prompt) == self.fail_on:
+            raise RuntimeError("engine died")
+        return {"ttft_s": len(prompt) / 1e3, "token_ids": [1] * max_tokens, "num_cached_tokens": 0}
+
+    def generate(self, prompts: list[list[int]], max_tokens: int) -> list[dict[str, object]]:
+        self.log.append((self.name, "generate", len(prompts[0])))
+        return []
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def _side_by_side(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, rounds: int, fail_on: int | None = None
+) -> tuple[list[tuple[str, str, int]], list[str], list[FakeEngine], dict]:
+    log: list[tuple[str, str, int]] = []
+    started: list[str] = []
+    engines: list[FakeEngine] = []
+
+    def start(setup: Setup, name: str, **kwargs: object) -> FakeEngine:
+        started.append(name)
+        engines.append(FakeEngine(name[0], log, fail_on))
+        return engines[-1]
+
+    monkeypatch.setattr(vllm_ttft, "_start", start)
+    monkeypatch.setattr(vllm_ttft, "IDLE_S", 0.0)
+    # context 10 tokens; two queries of 1 and 2 tokens: prompts of 11 and 12 tokens
+    workload = Workload({10: [0] * 10}, {(10, 1): [[1], [2, 2]]}, [9] * 3, 2)
+    strategies = [Strategy("a"), Strategy("c", prefix_caching=True, contexts_first=True)]
+    strategies.append(Strategy("d", {"kv_connector": "x"}))
+    setup = Setup(tmp_path, tmp_path, "/x.sock", None, lambda _: None)
+    results = measure_side_by_side(setup, workload, strategies, rounds) if fail_on is None else {}
+    if fail_on is not None:
+        with pytest.raises(RuntimeError, match="engine died"):
+            measure_side_by_side(setup, workload, strategies, rounds)
+    return log, started, engines, results
+
+
+def test_side_by_side_rotates_the_engines_per_query_and_per_round(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    log, started, engines, results = _side_by_side(tmp_path, monkeypatch, rounds=2)
+    assert started == ["a-0", "c-0", "d-0", "c-1", "d-1", "a-1"]  # each round rotated
+    warm = [("a", "ttft", 3), ("c", "ttft", 3), ("c", "generate", 10), ("d", "ttft", 3)]
+    round_0 = warm + [("a", "ttft", 11), ("c", "ttft", 11), ("d", "ttft", 11)]  # query 0
+    warm_1 = [("c", "ttft", 3), ("c", "generate", 10), ("d", "ttft", 3), ("a", "ttft", 3)]
+    round_1 = warm_1 + [("c", "ttft", 12), ("d", "ttft", 12), ("a", "ttft", 12)]  # query 1
+    assert log == round_0 + round_1
+    assert all(e.closed for e in engines)
+    for name in "acd":  # every strategy's samples of the cell, in query order
+        assert [s.ttft_s for s in results[name][(10, 1)]] == [0.011, 0.012]
+
+
+def test_side_by_side_closes_every_engine_when_one_fails(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _, started, engines, _ = _side_by_side(tmp_path, monkeypatch, rounds=1, fail_on=11)
+    assert started == ["a-0", "c-0", "d-0"]
+    assert len(engines) == 3 and all(e.closed for e in engines)
 
 
 def test_missing_vllm_venv_is_named(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
