@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
@@ -88,53 +89,63 @@ class FakeEngine:
         self.closed = True
 
 
-def _side_by_side(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, rounds: int, fail_on: int | None = None
-) -> tuple[list[tuple[str, str, int]], list[str], list[FakeEngine], dict]:
-    log: list[tuple[str, str, int]] = []
-    started: list[str] = []
-    engines: list[FakeEngine] = []
+@dataclass
+class FakeDriver:
+    """``measure_side_by_side`` on ``FakeEngine``s: what it started, and every request."""
 
-    def start(setup: Setup, name: str, **kwargs: object) -> FakeEngine:
-        started.append(name)
-        engines.append(FakeEngine(name[0], log, fail_on))
-        return engines[-1]
+    log: list[tuple[str, str, int]] = field(default_factory=list)
+    started: list[str] = field(default_factory=list)
+    engines: list[FakeEngine] = field(default_factory=list)
+    fail_on: int | None = None
 
-    monkeypatch.setattr(vllm_ttft, "_start", start)
+    def start(self, setup: Setup, name: str, **kwargs: object) -> FakeEngine:
+        self.started.append(name)
+        self.engines.append(FakeEngine(name[0], self.log, self.fail_on))
+        return self.engines[-1]
+
+    def measure(self, tmp_path: Path, rounds: int) -> dict:
+        # context 10 tokens; two queries of 1 and 2 tokens: prompts of 11 and 12 tokens
+        workload = Workload({10: [0] * 10}, {(10, 1): [[1], [2, 2]]}, [9] * 3, 2)
+        strategies = [
+            Strategy("a"),
+            Strategy("c", prefix_caching=True, contexts_first=True),
+            Strategy("d", {"kv_connector": "x"}),
+        ]
+        setup = Setup(tmp_path, tmp_path, "/x.sock", None, lambda _: None)
+        return measure_side_by_side(setup, workload, strategies, rounds)
+
+
+@pytest.fixture
+def driver(monkeypatch: pytest.MonkeyPatch) -> FakeDriver:
+    fake = FakeDriver()
+    monkeypatch.setattr(vllm_ttft, "_start", fake.start)
     monkeypatch.setattr(vllm_ttft, "IDLE_S", 0.0)
-    # context 10 tokens; two queries of 1 and 2 tokens: prompts of 11 and 12 tokens
-    workload = Workload({10: [0] * 10}, {(10, 1): [[1], [2, 2]]}, [9] * 3, 2)
-    strategies = [Strategy("a"), Strategy("c", prefix_caching=True, contexts_first=True)]
-    strategies.append(Strategy("d", {"kv_connector": "x"}))
-    setup = Setup(tmp_path, tmp_path, "/x.sock", None, lambda _: None)
-    results = measure_side_by_side(setup, workload, strategies, rounds) if fail_on is None else {}
-    if fail_on is not None:
-        with pytest.raises(RuntimeError, match="engine died"):
-            measure_side_by_side(setup, workload, strategies, rounds)
-    return log, started, engines, results
+    return fake
 
 
 def test_side_by_side_rotates_the_engines_per_query_and_per_round(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, driver: FakeDriver
 ) -> None:
-    log, started, engines, results = _side_by_side(tmp_path, monkeypatch, rounds=2)
-    assert started == ["a-0", "c-0", "d-0", "c-1", "d-1", "a-1"]  # each round rotated
+    results = driver.measure(tmp_path, rounds=2)
+    assert driver.started == ["a-0", "c-0", "d-0", "c-1", "d-1", "a-1"]  # each round rotated
     warm = [("a", "ttft", 3), ("c", "ttft", 3), ("c", "generate", 10), ("d", "ttft", 3)]
     round_0 = warm + [("a", "ttft", 11), ("c", "ttft", 11), ("d", "ttft", 11)]  # query 0
     warm_1 = [("c", "ttft", 3), ("c", "generate", 10), ("d", "ttft", 3), ("a", "ttft", 3)]
     round_1 = warm_1 + [("c", "ttft", 12), ("d", "ttft", 12), ("a", "ttft", 12)]  # query 1
-    assert log == round_0 + round_1
-    assert all(e.closed for e in engines)
+    assert driver.log == round_0 + round_1
+    assert all(e.closed for e in driver.engines)
     for name in "acd":  # every strategy's samples of the cell, in query order
         assert [s.ttft_s for s in results[name][(10, 1)]] == [0.011, 0.012]
 
 
 def test_side_by_side_closes_every_engine_when_one_fails(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, driver: FakeDriver
 ) -> None:
-    _, started, engines, _ = _side_by_side(tmp_path, monkeypatch, rounds=1, fail_on=11)
-    assert started == ["a-0", "c-0", "d-0"]
-    assert len(engines) == 3 and all(e.closed for e in engines)
+    driver.fail_on = 11  # the first query's prompt
+    with pytest.raises(RuntimeError, match="engine died"):
+        driver.measure(tmp_path, rounds=1)
+    assert driver.started == ["a-0", "c-0", "d-0"]
+    assert len(driver.engines) == 3 and all(e.closed for e in driver.engines)
 
 
 def test_missing_vllm_venv_is_named(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import random
 import secrets
 import shutil
-import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +31,7 @@ from lmcache_svc_bench.redis_procs import (
 )
 from lmcache_svc_bench.vllm.bench_model import VOCAB_SIZE, make_tiny_model
 from lmcache_svc_bench.vllm.engines import EngineProc
+from lmcache_svc_bench.workload_serve import scrape
 from tests.events.engines import VllmReader, events_env, of_type, start_engine
 from tests.helpers import wait_until
 from tests.vllm.conftest import require_vllm_venv
@@ -139,11 +139,10 @@ def node_holding(pair: Pair, chunk_hash: bytes) -> RedisProc:
 def why_not_a_hit(pair: Pair) -> str:
     """What B's plugin and sidecar say about lookups and Redis, for a failed hit's message."""
     plugin = {k: v for k, v in pair.b.metrics().items() if "lookup" in k or "load" in k}
-    with urllib.request.urlopen(f"{pair.servers[1].http_url}/metrics", timeout=10) as reply:
-        server = [
-            line for line in reply.read().decode().splitlines()
-            if line.startswith(SIDECAR_SERIES)
-        ]  # fmt: skip
+    sidecar = scrape(pair.servers[1].http_url.rstrip("/") + "/metrics")
+    server = [
+        (name, labels, v) for name, labels, v in sidecar.samples if name.startswith(SIDECAR_SERIES)
+    ]
     return (
         f"B's plugin: {plugin}\nB's sidecar: {server}\n"
         f"its log: {pair.servers[1].log()[-3000:]}\nB's engine log: {pair.b.log_tail(3000)}"
