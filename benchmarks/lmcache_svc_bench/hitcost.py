@@ -1,8 +1,8 @@
 """``bench hitcost``: what a hit costs beyond vLLM's own prefix hit, measured in pairs.
 
 On a small host the TTFT of the same request drifts by several milliseconds between runs,
-more than the fixed cost this is after. Here (as in ``bench ttft``, ``vllm/rounds.py``)
-every engine is up at once and the requests alternate between them, one at a time, so each
+more than the fixed cost this is after. Here (``bench ttft``'s driver,
+``vllm_ttft.measure_side_by_side``) every engine is up at once and the requests alternate between them, one at a time, so each
 query's TTFTs on the different engines are taken within seconds of each other; and they are
 compared as pairs, with a control pair:
 
@@ -43,15 +43,11 @@ pass): an A/B is a run with the switch and a run without, each weighed against i
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from lmcache_svc_bench.hitcost_copy import (
-    GAP_LEVEL,
     CopyBaselines,
-    Gap,
     KVGeometry,
     bench_geometry,
     cold_copy_ms,
@@ -62,30 +58,32 @@ from lmcache_svc_bench.hitcost_copy import (
 from lmcache_svc_bench.procs import start_server
 from lmcache_svc_bench.report import Report
 from lmcache_svc_bench.runner import BenchContext
-from lmcache_svc_bench.stats import median, percentile
+from lmcache_svc_bench.stats import GAP_LEVEL, Gap, median, percentile
 from lmcache_svc_bench.ttft import Params, make_workload
 from lmcache_svc_bench.vllm.bench_model import Shape
 from lmcache_svc_bench.vllm.engines import EngineProc
-from lmcache_svc_bench.vllm.rounds import IDLE_S, check_rounds, rotated, round_queries
+from lmcache_svc_bench.vllm.rounds import IDLE_S, check_rounds
 from lmcache_svc_bench.vllm_common import (
     BLOCK_SIZE,
+    KV_CACHE_GIB,
     kv_bytes_per_token,
     make_model,
     require_vllm,
     shape_named,
-    start_engine,
     wait_for_commits,
 )
 from lmcache_svc_bench.vllm_ttft import (
     PLUGIN_DEFAULT_CHUNK,
+    Results,
+    Sample,
     Setup,
-    Workload,
+    Strategy,
+    measure_side_by_side,
     plugin_config,
     write_contexts,
 )
-from lmcache_svc_bench.vllm_ttft_breakdown import first_mark, memcpy_gbps
+from lmcache_svc_bench.vllm_ttft_breakdown import first_mark, memcpy_gbps, paired_gap
 
-KV_CACHE_GIB = 1  # every engine's; the cold copy's destination is as large
 ENGINES = ("c", "cn", "cp", "b")
 NOOP_CONNECTOR = {
     "kv_connector": "NoopConnector",
@@ -102,13 +100,6 @@ PHASES = (
     ("forward", "wait_for_layer_load>", "wait_for_save>"),
     ("output", "wait_for_save>", "ttft.first"),
 )
-
-
-@dataclass(frozen=True)
-class Sample:
-    ttft_ms: float
-    num_cached_tokens: int
-    marks: list[tuple[float, str]]
 
 
 def run(ctx: BenchContext) -> Report:
@@ -133,48 +124,32 @@ def run(ctx: BenchContext) -> Report:
     workload = make_workload(p)
     model_dir = make_model(ctx.work_dir, p.model)
     server = start_server(ctx.work_dir, "--cpu-bytes", "256MiB", "--prefault", "sync")
-    samples: dict[str, dict[int, list[Sample]]] = {name: {} for name in ENGINES}
-    prompts = {cell: list(workload.prompts(cell)) for cell in workload.queries}
+    measured: dict[str, Any] = {}
+
+    def cold_copies(engines: dict[str, EngineProc], results: dict[str, Results]) -> None:
+        """With the engines up and idle, as before each query: the cold copies."""
+        measured["logged_tokens"] = engine_cache_tokens(engines["b"].log_path)
+        geometry = measured["geometry"] = _geometry(shape, measured["logged_tokens"])
+        source = "as (b) logged" if measured["logged_tokens"] else "configured; (b) logged none"
+        ctx.progress(f"cold copies into a cache of {geometry.num_blocks} blocks ({source})")
+        measured["cold"] = _cold_copies(ctx, geometry, by_context(results["b"]), cold_repeats)
+
     try:
         setup = Setup(model_dir, ctx.work_dir, server.socket, None, ctx.progress)
         write_contexts(setup, workload, "b", plugin_config(setup, None, tenant="b"))
         num_chunks = sum(len(c) // PLUGIN_DEFAULT_CHUNK for c in workload.contexts.values())
         wait_for_commits(server.socket, num_chunks)
-        kv_configs = engine_configs(setup, b_settings)
-        for r in range(rounds):
-            engines: dict[str, EngineProc] = {}
-            try:
-                for name in start_order(r):
-                    ctx.progress(f"round {r + 1} of {rounds}: starting engine {name}")
-                    engines[name] = start_engine(
-                        f"hitcost-{name}-{r}",
-                        model_dir,
-                        ctx.work_dir,
-                        kv_config=kv_configs[name],
-                        prefix_caching=name != "b",
-                        kv_cache_gib=KV_CACHE_GIB,
-                        trace=ctx.work_dir / f"trace-hitcost-{name}-{r}.txt",
-                    )
-                _warm(engines, workload)
-                for cell, cell_prompts in prompts.items():
-                    for i in round_queries(r, rounds, len(cell_prompts)):
-                        _query(engines, i, cell_prompts[i], workload.max_tokens, samples, cell[0])
-                        ctx.progress(f"  context {cell[0]}: query {i + 1} of {p.num_queries}")
-                if r == rounds - 1:  # with the engines up and idle, as before each query
-                    logged_tokens = engine_cache_tokens(engines["b"].log_path)
-                    geometry = _geometry(shape, logged_tokens)
-                    source = "as (b) logged" if logged_tokens else "configured; (b) logged no size"
-                    ctx.progress(
-                        f"cold copies into a cache of {geometry.num_blocks} blocks ({source})"
-                    )
-                    cold = _cold_copies(ctx, geometry, samples["b"], cold_repeats)
-            finally:
-                for engine in engines.values():
-                    engine.close()
+        results = measure_side_by_side(
+            setup, workload, strategies(setup, b_settings), rounds, while_up=cold_copies
+        )
     finally:
         server.cleanup()
+    samples = {name: by_context(res) for name, res in results.items()}
+    logged_tokens, geometry = measured["logged_tokens"], measured["geometry"]
     report = ctx.report()
-    baselines = CopyBaselines(kv_bytes_per_token(shape), memcpy_gbps(), geometry, cold, IDLE_S)
+    baselines = CopyBaselines(
+        kv_bytes_per_token(shape), memcpy_gbps(), geometry, measured["cold"], IDLE_S
+    )
     _write(report, samples, baselines)
     if b_settings:
         report.tables[0].notes.append(f"(b)'s plugin settings beyond the defaults: {b_settings}")
@@ -200,52 +175,25 @@ def plugin_settings(ctx: BenchContext) -> dict[str, Any]:
     return {key: value for key, value in settings.items() if value != B_SWITCHES[key]}
 
 
-def engine_configs(setup: Setup, b_settings: dict[str, Any]) -> dict[str, dict[str, Any] | None]:
-    """Each engine's KV transfer config: (b) and (cp) the plugin under their own tenants,
-    (b) with ``b_settings`` (``plugin_settings``) too."""
-    return {
+def strategies(setup: Setup, b_settings: dict[str, Any]) -> list[Strategy]:
+    """The engines in ``ENGINES``' order: (c), (cn), (cp) with vLLM's prefix cache, the
+    contexts run first; (b) and (cp) the plugin under their own tenants, (b) with
+    ``b_settings`` (``plugin_settings``) too."""
+    kv_configs: dict[str, dict[str, Any] | None] = {
         "c": None,
         "cn": NOOP_CONNECTOR,
         "cp": plugin_config(setup, None, tenant="cp"),
         "b": plugin_config(setup, None, tenant="b", **b_settings),
     }
+    return [
+        Strategy(name, kv_configs[name], prefix_caching=name != "b", contexts_first=name != "b")
+        for name in ENGINES
+    ]
 
 
-def _warm(engines: dict[str, EngineProc], workload: Workload) -> None:
-    """Each engine's first request, then (all but (b)) the contexts into vLLM's own cache."""
-    for name, engine in engines.items():
-        time.sleep(IDLE_S)
-        engine.ttft(workload.warmup, workload.max_tokens)
-        if name != "b":
-            for context in workload.contexts.values():
-                engine.generate([context], 1)
-
-
-def _query(
-    engines: dict[str, EngineProc],
-    i: int,
-    prompt: list[int],
-    max_tokens: int,
-    samples: dict[str, dict[int, list[Sample]]],
-    context: int,
-) -> None:
-    """Query ``i`` on every engine in its turn, each idle ``IDLE_S`` before it."""
-    for name in query_order(i):
-        time.sleep(IDLE_S)
-        out = engines[name].ttft(prompt, max_tokens)
-        marks = [(float(ms), str(n)) for ms, n in out.get("marks", [])]
-        sample = Sample(out["ttft_s"] * 1e3, int(out["num_cached_tokens"]), marks)
-        samples[name].setdefault(context, []).append(sample)
-
-
-def start_order(r: int) -> tuple[str, ...]:
-    """The order round ``r`` starts its engines in: ``ENGINES`` rotated by ``r``."""
-    return rotated(ENGINES, r)
-
-
-def query_order(i: int) -> tuple[str, ...]:
-    """The engines in the order query ``i`` runs on them: ``ENGINES`` rotated by ``i``."""
-    return rotated(ENGINES, i)
+def by_context(results: Results) -> dict[int, list[Sample]]:
+    """One query length per run: the samples by context length."""
+    return {cell[0]: samples for cell, samples in results.items()}
 
 
 def _contexts(quick: bool) -> str:
@@ -287,11 +235,11 @@ def _write(
     for context, base in samples["c"].items():
         for name in ENGINES:
             runs = samples[name][context]
-            gap = Gap.of(_paired(runs, base))
+            gap = paired_gap(runs, base)
             table.add(
                 context,
                 f"({name})",
-                median([s.ttft_ms for s in runs]),
+                median([s.ttft_s * 1e3 for s in runs]),
                 gap.median,
                 f"{gap.low:.2f} to {gap.high:.2f}",
                 percentile(gap.diffs, 25),
@@ -322,10 +270,6 @@ def _median_copy_ms(runs: Sequence[Sample]) -> float | None:
     return median(copies) if copies else None
 
 
-def _paired(runs: Sequence[Sample], base: Sequence[Sample]) -> list[float]:
-    return [a.ttft_ms - b.ttft_ms for a, b in zip(runs, base)]
-
-
 def _phases(report: Report, samples: dict[str, dict[int, list[Sample]]]) -> None:
     table = report.table(
         "Where each engine's time to first token goes (median ms)",
@@ -337,7 +281,7 @@ def _phases(report: Report, samples: dict[str, dict[int, list[Sample]]]) -> None
             if not rows:
                 continue
             cols = [median([r[i] for r in rows]) for i in range(len(PHASES))]
-            table.add(context, f"({name})", *cols, median([s.ttft_ms for s in runs]))
+            table.add(context, f"({name})", *cols, median([s.ttft_s * 1e3 for s in runs]))
     table.notes += [
         "From the time marks (trace.py; the no-op connector marks its hooks alike): "
         "scheduling, add_request to the connector's first question; lookup, to the step's "

@@ -39,27 +39,7 @@ from typing import Any
 import numpy as np
 
 from lmcache_svc_bench.report import Report
-from lmcache_svc_bench.stats import median, median_interval
-
-GAP_LEVEL = 0.9  # coverage of the interval given with each paired median
-
-
-@dataclass(frozen=True)
-class Gap:
-    """Per-query differences of one engine's TTFT to (c)'s (ms), their median and that
-    median's percentile-bootstrap interval (``GAP_LEVEL``): how far the pairs' noise lets
-    the median move."""
-
-    diffs: list[float]
-    median: float
-    low: float
-    high: float
-
-    @classmethod
-    def of(cls, diffs: list[float]) -> Gap:
-        low, high = median_interval(diffs, level=GAP_LEVEL)
-        return cls(diffs, median(diffs), low, high)
-
+from lmcache_svc_bench.stats import GAP_LEVEL, Gap, median
 
 _CACHE_SIZE_LINE = re.compile(r"KV cache size: ([\d,]+) tokens")
 

@@ -1,4 +1,5 @@
-"""Small statistics shared by the benchmarks (nearest-rank percentiles, rates)."""
+"""Small statistics shared by the benchmarks (nearest-rank percentiles, rates, paired
+differences)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import math
 import random
 import statistics
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -46,3 +48,23 @@ def median_interval(
     medians = [statistics.median(rng.choices(values, k=n)) for _ in range(resamples)]
     tail = (1 - level) / 2 * 100
     return percentile(medians, tail), percentile(medians, 100 - tail)
+
+
+GAP_LEVEL = 0.9  # coverage of the interval given with each paired median
+
+
+@dataclass(frozen=True)
+class Gap:
+    """Per-query differences of one engine's TTFT to a baseline engine's (ms, paired by
+    query), their median and that median's percentile-bootstrap interval (``GAP_LEVEL``):
+    how far the pairs' noise lets the median move."""
+
+    diffs: list[float]
+    median: float
+    low: float
+    high: float
+
+    @classmethod
+    def of(cls, diffs: list[float]) -> Gap:
+        low, high = median_interval(diffs, level=GAP_LEVEL)
+        return cls(diffs, median(diffs), low, high)

@@ -18,6 +18,7 @@ SHAPES: dict[str, Shape] = {"tiny": TINY, "medium": MEDIUM}
 BLOCK_SIZE = 128  # vLLM's CPU default; every engine of a benchmark uses the same
 MAX_MODEL_LEN = 8192
 MAX_NUM_BATCHED_TOKENS = 8192  # the longest TTFT prompt (~7,000 tokens) is one step
+KV_CACHE_GIB = 1  # every engine's KV cache, unless a benchmark asks for another size
 
 # Every engine of a benchmark runs with these.
 BENCH_ENV = {
@@ -65,7 +66,7 @@ def start_engine(
     *,
     kv_config: dict[str, Any] | None = None,
     prefix_caching: bool = True,
-    kv_cache_gib: int = 1,
+    kv_cache_gib: int = KV_CACHE_GIB,
     trace: Path | None = None,
 ) -> EngineProc:
     """An engine with the benchmarks' common settings (block size, batch, env); ``trace``:

@@ -78,12 +78,23 @@ class Strategy:
     contexts_first: bool = False
 
 
+WhileUp = Callable[[dict[str, EngineProc], dict[str, Results]], None]
+"""Called after the last round's queries, its engines still up and idle: the engines by
+strategy name and the results so far."""
+
+
 def measure_side_by_side(
-    setup: Setup, workload: Workload, strategies: Sequence[Strategy], rounds: int
+    setup: Setup,
+    workload: Workload,
+    strategies: Sequence[Strategy],
+    rounds: int,
+    *,
+    while_up: WhileUp | None = None,
 ) -> dict[str, Results]:
     """Every strategy's engine up at once, each query run on every engine in a rotating
     order (each engine idle ``IDLE_S`` before it), in ``rounds`` of fresh engines started
-    in a rotated order (``vllm/rounds.py``). The contexts of (b) and (d) must be written."""
+    in a rotated order (``vllm/rounds.py``). The contexts of (b) and (d) must be written.
+    ``while_up``: a last measurement beside the engines (``WhileUp``)."""
     names = [s.name for s in strategies]
     by_name = {s.name: s for s in strategies}
     check_rounds(rounds, min(len(q) for q in workload.queries.values()))
@@ -105,6 +116,8 @@ def measure_side_by_side(
                         out = engines[name].ttft(prompts[i], workload.max_tokens)
                         results[name][cell].append(_sample(out))
                 _progress(setup, results, cell, f"round {r + 1} of {rounds}")
+            if while_up is not None and r == rounds - 1:
+                while_up(engines, results)
         finally:
             for engine in engines.values():
                 engine.close()

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from lmcache_svc_bench import hitcost
-from lmcache_svc_bench.hitcost import Sample, _phase_times
+from lmcache_svc_bench.hitcost import _phase_times
 from lmcache_svc_bench.hitcost_copy import (
     ColdCopy,
     CopyBaselines,
@@ -25,11 +25,16 @@ from lmcache_svc_bench.report import Report
 from lmcache_svc_bench.runner import BenchContext, run_benchmark
 from lmcache_svc_bench.vllm.bench_model import TINY
 from lmcache_svc_bench.vllm.engines import VLLM_PYTHON
+from lmcache_svc_bench.vllm.rounds import rotated, round_queries
 from lmcache_svc_bench.vllm_common import kv_bytes_per_token
-from lmcache_svc_bench.vllm_ttft import Setup
+from lmcache_svc_bench.vllm_ttft import Sample, Setup
 from tests.helpers import import_plugin_from_source
 
 SMALL = KVGeometry(num_layers=2, page_bytes=8, num_blocks=16, blocks_per_chunk=2)
+
+
+def _sample(ttft_ms: float, num_cached_tokens: int, marks: list[tuple[float, str]]) -> Sample:
+    return Sample(ttft_ms / 1e3, [], num_cached_tokens, marks)
 
 
 def test_a_request_splits_into_phases_in_order() -> None:
@@ -40,9 +45,9 @@ def test_a_request_splits_into_phases_in_order() -> None:
         (5.5, "wait_for_layer_load>"), (9.0, "wait_for_layer_load>"),
         (20.0, "wait_for_save>"), (22.0, "ttft.first"),
     ]  # fmt: skip
-    assert _phase_times(Sample(22.0, 512, marks)) == pytest.approx([1.0, 0.5, 2.0, 2.0, 14.5, 2.0])
+    assert _phase_times(_sample(22.0, 512, marks)) == pytest.approx([1.0, 0.5, 2.0, 2.0, 14.5, 2.0])
     # A request without the connector's marks (vLLM's own engine) has no phases.
-    assert _phase_times(Sample(20.0, 512, [(0.0, "ttft.add"), (20.0, "ttft.first")])) is None
+    assert _phase_times(_sample(20.0, 512, [(0.0, "ttft.add"), (20.0, "ttft.first")])) is None
 
 
 def test_the_cold_copy_fills_unused_blocks_with_the_chunks_pages_as_the_mover_does() -> None:
@@ -93,9 +98,9 @@ def test_the_cold_destination_is_the_engines_cache_and_the_copy_the_loaded_bytes
 
     monkeypatch.setattr(hitcost, "cold_copy_ms", fake)
     runs = {
-        583: [Sample(15.0, n, []) for n in (512, 512, 384)],
-        6064: [Sample(47.0, n, []) for n in (6016, 5888, 6016)],
-        9: [Sample(1.0, 0, [])],  # nothing loaded: no cold copy
+        583: [_sample(15.0, n, []) for n in (512, 512, 384)],
+        6064: [_sample(47.0, n, []) for n in (6016, 5888, 6016)],
+        9: [_sample(1.0, 0, [])],  # nothing loaded: no cold copy
     }
     out = hitcost._cold_copies(SimpleNamespace(progress=lambda _: None), g, runs, 7)
     assert calls == [(4, hitcost.IDLE_S, 7), (47, hitcost.IDLE_S, 7)] and list(out) == [583, 6064]
@@ -121,7 +126,7 @@ def _report_of(b_ttft_6064: float) -> Report:
     copy in the engine 1.3 ms; warm memcpy at 22 GB/s, cold copies of 0.1-0.4 and 1.6-1.8 ms."""
 
     def runs(ttft: float, cached: int, marks: list[tuple[float, str]]) -> list[Sample]:
-        return [Sample(ttft, cached, marks) for _ in range(3)]
+        return [_sample(ttft, cached, marks) for _ in range(3)]
 
     copy = [(5.0, "load.located"), (6.3, "load.copied")]
     samples = {
@@ -168,8 +173,8 @@ def test_both_baselines_give_their_own_verdict(
     assert ("| MISSED" in rows) == (not (warm_met and cold_met))
 
 
-def test_every_engine_runs_once_in_every_place_over_four_queries() -> None:
-    orders = [hitcost.query_order(i) for i in range(8)]
+def test_every_engine_runs_once_in_every_place_over_four_queries_or_rounds() -> None:
+    orders = [rotated(hitcost.ENGINES, i) for i in range(8)]
     assert orders[0] == ("c", "cn", "cp", "b") and orders[1] == ("cn", "cp", "b", "c")
     assert orders[4:] == orders[:4]
     for place in range(4):
@@ -177,16 +182,9 @@ def test_every_engine_runs_once_in_every_place_over_four_queries() -> None:
     assert all(sorted(o) == sorted(hitcost.ENGINES) for o in orders)
 
 
-def test_every_engine_is_started_first_in_some_round() -> None:
-    orders = [hitcost.start_order(r) for r in range(4)]
-    assert orders[0] == hitcost.ENGINES and orders[1] == ("cn", "cp", "b", "c")
-    assert sorted(o[0] for o in orders) == sorted(hitcost.ENGINES)
-    assert all(sorted(o) == sorted(hitcost.ENGINES) for o in orders)
-
-
 @pytest.mark.parametrize("rounds, num_queries", [(1, 5), (2, 2), (3, 41), (3, 11), (4, 4)])
 def test_the_rounds_share_out_every_query_once_in_order(rounds: int, num_queries: int) -> None:
-    shares = [hitcost.round_queries(r, rounds, num_queries) for r in range(rounds)]
+    shares = [round_queries(r, rounds, num_queries) for r in range(rounds)]
     assert [i for share in shares for i in share] == list(range(num_queries))
     assert max(map(len, shares)) - min(map(len, shares)) <= 1
 
@@ -225,7 +223,13 @@ def test_set_switches_reach_bs_plugin_alone(
 
     ctx = BenchContext("hitcost", True, tmp_path, tmp_path, lambda _: None, options)
     setup = Setup(tmp_path, tmp_path, "/run/sidecar.sock", None, lambda _: None)
-    configs = hitcost.engine_configs(setup, hitcost.plugin_settings(ctx))
+    strategies = hitcost.strategies(setup, hitcost.plugin_settings(ctx))
+    assert [s.name for s in strategies] == list(hitcost.ENGINES)
+    # vLLM's own cache, the contexts run first, everywhere but in (b), which loads them
+    assert [(s.prefix_caching, s.contexts_first) for s in strategies] == [(True, True)] * 3 + [
+        (False, False)
+    ]
+    configs = {s.name: s.kv_config for s in strategies}
     assert configs["c"] is None and configs["cn"] == hitcost.NOOP_CONNECTOR
     b, cp = (configs[name] for name in ("b", "cp"))
     assert b is not None and cp is not None
@@ -242,9 +246,9 @@ def _noisy_report(b_minus_c: list[float]) -> Report:
     """(c) at 45 ms and (b) at 45 + each of ``b_minus_c``, one context (6064); warm memcpy
     at 22 GB/s, cold copies of 0.5 ms."""
     samples = {
-        name: {6064: [Sample(45.0, 6016, []) for _ in b_minus_c]} for name in ("c", "cn", "cp")
+        name: {6064: [_sample(45.0, 6016, []) for _ in b_minus_c]} for name in ("c", "cn", "cp")
     }
-    samples["b"] = {6064: [Sample(45.0 + d, 6016, []) for d in b_minus_c]}
+    samples["b"] = {6064: [_sample(45.0 + d, 6016, []) for d in b_minus_c]}
     g = bench_geometry(2048, 4, 128, 128, 524_288)
     report = Report("hitcost", "full")
     hitcost._write(report, samples, CopyBaselines(2048, 22.0, g, {6064: [0.5] * 3}, 1.3))
@@ -276,10 +280,10 @@ def test_a_control_pair_off_zero_leaves_the_targets_not_evaluated() -> None:
     """(cn) - (c) far from 0 (a host that treats the engines differently): whatever (b)
     shows, no verdict is given."""
     samples = {
-        "c": {6064: [Sample(120.0, 6016, []) for _ in range(5)]},
-        "cn": {6064: [Sample(52.0 + i, 6016, []) for i in range(5)]},
-        "cp": {6064: [Sample(50.0, 6016, []) for _ in range(5)]},
-        "b": {6064: [Sample(100.0, 6016, []) for _ in range(5)]},  # "faster" than (c)
+        "c": {6064: [_sample(120.0, 6016, []) for _ in range(5)]},
+        "cn": {6064: [_sample(52.0 + i, 6016, []) for i in range(5)]},
+        "cp": {6064: [_sample(50.0, 6016, []) for _ in range(5)]},
+        "b": {6064: [_sample(100.0, 6016, []) for _ in range(5)]},  # "faster" than (c)
     }
     g = bench_geometry(2048, 4, 128, 128, 524_288)
     report = Report("hitcost", "full")
@@ -290,7 +294,7 @@ def test_a_control_pair_off_zero_leaves_the_targets_not_evaluated() -> None:
         assert target.not_evaluated.startswith("the control pair (cn) - (c) is -66.00 ms")
         assert target.to_markdown_row()[3].startswith("NOT EVALUATED: the control pair")
     # A control within 1 ms of 0 leaves the verdicts to the values.
-    samples["cn"] = {6064: [Sample(120.0 + d, 6016, []) for d in (-0.5, 0.0, 0.2, 0.4, 0.3)]}
+    samples["cn"] = {6064: [_sample(120.0 + d, 6016, []) for d in (-0.5, 0.0, 0.2, 0.4, 0.3)]}
     report = Report("hitcost", "full")
     hitcost._write(report, samples, CopyBaselines(2048, 22.0, g, {6064: [0.5] * 3}, 1.3))
     assert all(t.met and not t.not_evaluated for t in report.targets)

@@ -24,7 +24,7 @@ from lmcache_svc_bench.vllm_ttft import (
     measure_side_by_side,
     plugin_config,
 )
-from lmcache_svc_bench.vllm_ttft_breakdown import breakdown
+from lmcache_svc_bench.vllm_ttft_breakdown import breakdown, paired_gap
 from lmcache_svc_bench.vllm_ttft_report import (
     memos_speedup,
     output_mismatches,
@@ -103,7 +103,9 @@ class FakeDriver:
         self.engines.append(FakeEngine(name[0], self.log, self.fail_on))
         return self.engines[-1]
 
-    def measure(self, tmp_path: Path, rounds: int) -> dict:
+    def measure(
+        self, tmp_path: Path, rounds: int, while_up: vllm_ttft.WhileUp | None = None
+    ) -> dict:
         # context 10 tokens; two queries of 1 and 2 tokens: prompts of 11 and 12 tokens
         workload = Workload({10: [0] * 10}, {(10, 1): [[1], [2, 2]]}, [9] * 3, 2)
         strategies = [
@@ -112,7 +114,7 @@ class FakeDriver:
             Strategy("d", {"kv_connector": "x"}),
         ]
         setup = Setup(tmp_path, tmp_path, "/x.sock", None, lambda _: None)
-        return measure_side_by_side(setup, workload, strategies, rounds)
+        return measure_side_by_side(setup, workload, strategies, rounds, while_up=while_up)
 
 
 @pytest.fixture
@@ -136,6 +138,21 @@ def test_side_by_side_rotates_the_engines_per_query_and_per_round(
     assert all(e.closed for e in driver.engines)
     for name in "acd":  # every strategy's samples of the cell, in query order
         assert [s.ttft_s for s in results[name][(10, 1)]] == [0.011, 0.012]
+
+
+def test_while_up_runs_once_after_the_last_rounds_queries_beside_its_engines(
+    tmp_path: Path, driver: FakeDriver
+) -> None:
+    seen: list[tuple[int, list[str], bool, int]] = []
+
+    def while_up(engines: dict, results: dict) -> None:
+        up = sorted(engines) == ["a", "c", "d"] and not any(e.closed for e in engines.values())
+        seen.append((len(driver.log), sorted(engines), up, len(results["a"][(10, 1)])))
+
+    driver.measure(tmp_path, rounds=2, while_up=while_up)
+    # after every request of both rounds (14), with round 1's engines up and both queries in
+    assert seen == [(14, ["a", "c", "d"], True, 2)]
+    assert driver.engines[-1].closed
 
 
 def test_side_by_side_closes_every_engine_when_one_fails(
@@ -208,6 +225,36 @@ def test_b_is_checked_token_for_token_against_c_where_both_served_the_same(
     # Only the cell where (b) served as many tokens as (c) counts; one query differs there.
     assert "(1 cells, 2 queries)" in target.name
     assert target.value == 1 and not target.met
+
+
+def test_fixed_cost_is_the_median_of_the_per_query_differences(tmp_path: Path) -> None:
+    """The cells' medians would put (b) 19 ms below (c) here; query by query (b) is 1 ms
+    behind in two of three pairs, and that is the fixed cost, less the copy time."""
+
+    def samples(served: int, *ttft_ms: float) -> list[Sample]:
+        return [Sample(ms / 1e3, [1], served) for ms in ttft_ms]
+
+    cell = (583, 167)
+    results = {
+        "a": {cell: samples(0, 50, 50, 50)},
+        "b": {cell: samples(512, 10, 11, 40)},
+        "c": {cell: samples(512, 9, 30, 39)},
+    }
+    report = Report("ttft", "quick")
+    # 512 tokens of 1000 bytes at 1 GB/s: 0.512 ms of copying
+    write_report(
+        report, params(_ctx(tmp_path)), results, tmp_path, kv_bytes_per_token=1000, gbps=1.0
+    )
+    target = next(t for t in report.targets if "beyond the memcpy time" in t.name)
+    assert target.value == pytest.approx(1.0 - 0.512)
+    assert "paired median of 3 queries" in target.name and target.met
+    ttft = report.tables[0]
+    assert dict(zip(ttft.columns, ttft.rows[0]))["b - c, paired ms"] == pytest.approx(1.0)
+
+
+def test_pairs_need_as_many_samples_on_both_sides() -> None:
+    with pytest.raises(ValueError, match="as many samples: 2 and 1"):
+        paired_gap([Sample(0.01, [1], 0)] * 2, [Sample(0.01, [1], 0)])
 
 
 def test_breakdown_splits_a_hit_into_its_phases() -> None:
