@@ -137,7 +137,7 @@ def measure(
     work: list[tuple[list[bytes], bytes, list[bytes]]] = []
     for r in range(rounds):
         tokens = np.random.default_rng(r).integers(0, 150_000, chunks_per_store * chunk_tokens)
-        hashes = chunk_hashes(ns, tokens)
+        hashes: list[bytes] = list(chunk_hashes(ns, tokens))
         work.append((hashes, tokens.astype("<u4").tobytes(), [b"", *hashes[:-1]]))
     with tempfile.TemporaryDirectory() as tmp:
         settings = EventsSettings(

@@ -2,9 +2,9 @@
 
 On a small host the TTFT of the same request drifts by several milliseconds between runs,
 more than the fixed cost this is after. Here (``bench ttft``'s driver,
-``vllm_ttft.measure_side_by_side``) every engine is up at once and the requests alternate between them, one at a time, so each
-query's TTFTs on the different engines are taken within seconds of each other; and they are
-compared as pairs, with a control pair:
+``vllm_ttft.measure_side_by_side``) every engine is up at once and the requests alternate
+between them, one at a time, so each query's TTFTs on the different engines are taken
+within seconds of each other; and they are compared as pairs, with a control pair:
 
   c    vLLM's own prefix cache: the context run once in the engine, then each query hits it
   cn   the same with a KV connector that does nothing (``vllm/noop_connector.py``): what

@@ -14,8 +14,10 @@ strategies). Each cell has several queries (different random tokens of the same 
 (c) never hits the query itself); the table gives the median per cell.
 
 ``--set`` keys: ``model`` (tiny|medium), ``contexts`` / ``queries`` (comma-separated token
-counts), ``num_queries``, ``max_tokens``, ``chunk_size`` (configure (b)'s plugin with it;
-default: unset, so the plugin derives it from the block size), ``strategies`` (of
+counts), ``num_queries`` (9 by default, 2 in ``--quick``: with 3 a cell's median moved
+by up to 0.2x between runs on one host), ``max_tokens``, ``chunk_size`` (configure (b)'s
+plugin with it; default: unset, so the plugin derives it from the block size),
+``strategies`` (of
 a,b,b256,bl,bp,c,d; b256 is (b) with ``chunk_size: 256``, the plugin's default before it was
 derived from the block size; bl is (b) with ``read_in_place: false``, every load under a
 lease, the plugin's default before loads were read in place; bp is (b) with a store pool of
@@ -110,7 +112,7 @@ def params(ctx: BenchContext) -> Params:
         model=ctx.option("model", "tiny" if quick else "medium"),
         contexts=_ints(ctx.option("contexts", "2773" if quick else "583,2773,6064")),
         queries=_ints(ctx.option("queries", "167,953" if quick else "167,303,953")),
-        num_queries=ctx.option("num_queries", 2 if quick else 3),
+        num_queries=ctx.option("num_queries", 2 if quick else 9),
         max_tokens=ctx.option("max_tokens", 8),
         chunk_size=_optional_int(ctx.option("chunk_size", None)),
         strategies=tuple(ctx.option("strategies", QUICK_STRATEGIES if quick else FULL).split(",")),
