@@ -44,6 +44,7 @@ pass): an A/B is a run with the switch and a run without, each weighed against i
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from lmcache_svc_bench.hitcost_copy import (
@@ -124,36 +125,25 @@ def run(ctx: BenchContext) -> Report:
     workload = make_workload(p)
     model_dir = make_model(ctx.work_dir, p.model)
     server = start_server(ctx.work_dir, "--cpu-bytes", "256MiB", "--prefault", "sync")
-    measured: dict[str, Any] = {}
-
-    def cold_copies(engines: dict[str, EngineProc], results: dict[str, Results]) -> None:
-        """With the engines up and idle, as before each query: the cold copies."""
-        measured["logged_tokens"] = engine_cache_tokens(engines["b"].log_path)
-        geometry = measured["geometry"] = _geometry(shape, measured["logged_tokens"])
-        source = "as (b) logged" if measured["logged_tokens"] else "configured; (b) logged none"
-        ctx.progress(f"cold copies into a cache of {geometry.num_blocks} blocks ({source})")
-        measured["cold"] = _cold_copies(ctx, geometry, by_context(results["b"]), cold_repeats)
-
+    cold = ColdCopies(ctx, shape, cold_repeats)
     try:
         setup = Setup(model_dir, ctx.work_dir, server.socket, None, ctx.progress)
         write_contexts(setup, workload, "b", plugin_config(setup, None, tenant="b"))
         num_chunks = sum(len(c) // PLUGIN_DEFAULT_CHUNK for c in workload.contexts.values())
         wait_for_commits(server.socket, num_chunks)
         results = measure_side_by_side(
-            setup, workload, strategies(setup, b_settings), rounds, while_up=cold_copies
+            setup, workload, strategies(setup, b_settings), rounds, while_up=cold
         )
     finally:
         server.cleanup()
     samples = {name: by_context(res) for name, res in results.items()}
-    logged_tokens, geometry = measured["logged_tokens"], measured["geometry"]
     report = ctx.report()
-    baselines = CopyBaselines(
-        kv_bytes_per_token(shape), memcpy_gbps(), geometry, measured["cold"], IDLE_S
-    )
+    geometry = _geometry(shape, cold.logged_tokens)
+    baselines = CopyBaselines(kv_bytes_per_token(shape), memcpy_gbps(), geometry, cold.ms, IDLE_S)
     _write(report, samples, baselines)
     if b_settings:
         report.tables[0].notes.append(f"(b)'s plugin settings beyond the defaults: {b_settings}")
-    report.data["copy_baselines"]["cache_tokens_logged"] = logged_tokens
+    report.data["copy_baselines"]["cache_tokens_logged"] = cold.logged_tokens
     report.data["params"] = {
         "contexts": p.contexts,
         "query": p.queries[0],
@@ -189,6 +179,26 @@ def strategies(setup: Setup, b_settings: dict[str, Any]) -> list[Strategy]:
         Strategy(name, kv_configs[name], prefix_caching=name != "b", contexts_first=name != "b")
         for name in ENGINES
     ]
+
+
+@dataclass
+class ColdCopies:
+    """``measure_side_by_side``'s ``while_up`` for hitcost: with the last round's engines up
+    and idle, as before each query, ``repeats`` cold copies of what (b) loaded per context
+    (``ms``), into a cache the size (b) logged (``logged_tokens``; None: it logged none)."""
+
+    ctx: BenchContext
+    shape: Shape
+    repeats: int
+    logged_tokens: int | None = None
+    ms: dict[int, list[float]] = field(default_factory=dict)
+
+    def __call__(self, engines: dict[str, EngineProc], results: dict[str, Results]) -> None:
+        self.logged_tokens = engine_cache_tokens(engines["b"].log_path)
+        geometry = _geometry(self.shape, self.logged_tokens)
+        source = "as (b) logged" if self.logged_tokens else "configured; (b) logged none"
+        self.ctx.progress(f"cold copies into a cache of {geometry.num_blocks} blocks ({source})")
+        self.ms = _cold_copies(self.ctx, geometry, by_context(results["b"]), self.repeats)
 
 
 def by_context(results: Results) -> dict[int, list[Sample]]:

@@ -17,11 +17,11 @@ strategies). Each cell has several queries (different random tokens of the same 
 counts), ``num_queries`` (9 by default, 2 in ``--quick``: with 3 a cell's median moved
 by up to 0.2x between runs on one host), ``max_tokens``, ``chunk_size`` (configure (b)'s
 plugin with it; default: unset, so the plugin derives it from the block size),
-``strategies`` (of
-a,b,b256,bl,bp,c,d; b256 is (b) with ``chunk_size: 256``, the plugin's default before it was
-derived from the block size; bl is (b) with ``read_in_place: false``, every load under a
-lease, the plugin's default before loads were read in place; bp is (b) with a store pool of
-64 slots, ``tuning.store_pool_chunks``: no reservation call in a step), ``seed``,
+``strategies`` (of a,b,b256,bl,bp,c,d; b256 is (b) with ``chunk_size: 256``, the plugin's
+default before it was derived from the block size; bl is (b) with ``read_in_place: false``,
+every load under a lease, the plugin's default before loads were read in place; bp is (b)
+with a store pool of 64 slots, ``tuning.store_pool_chunks``: no reservation call in a
+step), ``seed``,
 ``engine_rounds`` (3 by default, 1 in ``--quick``).
 
 The engines of the strategies are up at once and take each query in a rotating order, one
