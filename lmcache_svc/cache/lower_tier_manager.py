@@ -41,8 +41,9 @@ from __future__ import annotations
 import logging
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from lmcache_svc.cache.breaker import STATE_CODES, CircuitBreaker
@@ -64,12 +65,15 @@ chunk was in flight (older ones count as "maybe": the put or read is then undone
 
 
 class _DeleteLog:
-    """Numbers the deletes, and remembers the last ``_RECENT_DELETES`` of them by key.
+    """Numbers the deletes (or, in a second log, the evictions), and remembers the last
+    ``_RECENT_DELETES`` of them by key.
 
     A put or read runs outside the lock; a delete of its chunk may come meanwhile, find
     nothing in the index yet, and leave the tier alone. The put or read notes the count
     before it starts (``count``) and, once done, asks ``deleted_since``: if so, it must not
-    index the chunk (and a put deletes what it wrote). Used under the manager's lock."""
+    index the chunk (and a put deletes what it wrote). A read also asks the evictions' log:
+    a chunk read while it was being evicted is deleted by that eviction. Used under the
+    manager's lock."""
 
     __slots__ = ("count", "_recent", "_forgotten_upto")
 
@@ -105,6 +109,8 @@ class LowerTierState:
     contents: OrderedDict[ChunkKey, int]
     breaker: CircuitBreaker
     generation: int = 0
+    busy: set[ChunkKey] = field(default_factory=set)
+    """Chunks with a put or an eviction in flight in this tier (``LowerTierManager._claim``)."""
 
 
 class LowerTierManager:
@@ -117,10 +123,12 @@ class LowerTierManager:
         self._metrics = metrics
         self._listener = listener
         self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)  # a chunk's put or eviction ended
         self._tiers = [self._make(t, p) for t, p in tiers]
         self._resyncing: set[str] = set()
         self._probing: set[str] = set()
         self._deletes = _DeleteLog()
+        self._evictions = _DeleteLog()
         for lt in self._tiers:
             self._describe_found(lt, list(lt.contents))
 
@@ -197,7 +205,7 @@ class LowerTierManager:
         """Read each chunk from its tier into its buffer, batched per tier; success per item."""
         ok = [False] * len(items)
         with self._lock:
-            since = self._deletes.count
+            since, evictions_since = self._deletes.count, self._evictions.count
         for lt in self._tiers:
             mine = [(i, key, out) for i, (key, src, out) in enumerate(items) if src is lt]
             if not mine:
@@ -214,7 +222,10 @@ class LowerTierManager:
                         self._metrics.bytes_read.labels(tier=lt.tier.name).inc(len(out))
                         if key in lt.contents:
                             lt.contents.move_to_end(key)
-                        elif not lt.tier.shared and not self._deletes.deleted_since(key, since):
+                        elif not lt.tier.shared and not (
+                            self._deletes.deleted_since(key, since)
+                            or self._evictions.deleted_since(key, evictions_since)
+                        ):
                             lt.contents[key] = len(out)
                             self._changed(lt, key, True)
                     elif _gone(result):
@@ -254,22 +265,27 @@ class LowerTierManager:
                 todo = [(k, v) for k, v in items if k not in lt.contents]
             if not todo:
                 continue
-            results = self._call(lt, "write_through", None, lt.tier.put_many, todo)
-            if results is None:
-                continue
-            self._report(lt.tier, results)
-            for (key, view), result in zip(todo, results):
-                if result is True:
-                    self._stored(lt, key, len(view), since)
-                elif not isinstance(result, Failed):  # no room: evict, then try again
-                    self._put(position, key, view)
+            with self._claim(lt, [k for k, _ in todo]):
+                results = self._call(lt, "write_through", None, lt.tier.put_many, todo)
+                if results is None:
+                    continue
+                self._report(lt.tier, results)
+                for (key, view), result in zip(todo, results):
+                    if result is True:
+                        self._stored(lt, key, len(view), since)
+                    elif not isinstance(result, Failed):  # no room: evict, then try again
+                        self._put_claimed(position, key, view, since)
 
     def _put(self, position: int, key: ChunkKey, data: Buffer, since: int | None = None) -> bool:
         """Put into the tier at ``position``, evicting its LRU chunks while it is full;
         ``since``: the delete count when the chunk's move began (default: now)."""
-        lt = self._tiers[position]
         if since is None:
             since = self.delete_count()
+        with self._claim(self._tiers[position], [key]):
+            return self._put_claimed(position, key, data, since)
+
+    def _put_claimed(self, position: int, key: ChunkKey, data: Buffer, since: int) -> bool:
+        lt = self._tiers[position]
         while True:
             stored = self._call(lt, "put", None, lt.tier.put, key, data)
             if stored is None:
@@ -296,19 +312,45 @@ class LowerTierManager:
         """Evict the tier's least recently used chunk, demoting it further down."""
         lt = self._tiers[position]
         with self._lock:
-            if not lt.contents:
+            key = next((k for k in lt.contents if k not in lt.busy), None)
+            if key is None:
                 return False
-            key, size = lt.contents.popitem(last=False)
+            size = lt.contents.pop(key)
+            lt.busy.add(key)  # released below, after the delete: see ``_claim``
+            self._evictions.record(key)  # a read of it meanwhile must not index it again
             self._changed(lt, key, False)
-        if any(x.policy.accept_demotions for x in self._tiers[position + 1 :]):
-            data = memoryview(bytearray(size))
-            if self._call(lt, "read", False, lt.tier.read_into, key, data):
-                self.demote(key, data, below=position + 1)
-        if self._call(lt, "delete", None, lt.tier.delete, key) is None:
-            self._restore(lt, key, size)  # failed or marked down: still held and counted there
-            return False
+        try:
+            if any(x.policy.accept_demotions for x in self._tiers[position + 1 :]):
+                data = memoryview(bytearray(size))
+                if self._call(lt, "read", False, lt.tier.read_into, key, data):
+                    self.demote(key, data, below=position + 1)
+            if self._call(lt, "delete", None, lt.tier.delete, key) is None:
+                self._restore(lt, key, size)  # failed or marked down: still held there
+                return False
+        finally:
+            self._release(lt, [key])
         self._metrics.evictions.labels(tier=lt.tier.name).inc()
         return True
+
+    @contextmanager
+    def _claim(self, lt: LowerTierState, keys: Sequence[ChunkKey]) -> Iterator[None]:
+        """Hold ``keys`` in the tier for a put: wait while any has a put or an eviction in
+        flight there. An eviction deletes its chunk after taking it out of the index, so a
+        put of the same chunk in between (a demotion from above) would be indexed and then
+        lose its file to that delete. All keys are taken at once (no hold-and-wait within a
+        tier); a holder only ever waits on a tier further down."""
+        with self._idle:
+            self._idle.wait_for(lambda: lt.busy.isdisjoint(keys))
+            lt.busy.update(keys)
+        try:
+            yield
+        finally:
+            self._release(lt, keys)
+
+    def _release(self, lt: LowerTierState, keys: Sequence[ChunkKey]) -> None:
+        with self._idle:
+            lt.busy.difference_update(keys)
+            self._idle.notify_all()
 
     def _restore(self, lt: LowerTierState, key: ChunkKey, size: int) -> None:
         """Put back the index entry of a chunk the tier failed to delete, least recent."""

@@ -1,8 +1,10 @@
 """A delete that comes while a chunk is being written to (or read from) a lower tier wins:
 the chunk is neither indexed nor left in the tier, so no lookup or KV event promises it.
+A chunk demoted into a tier while that tier evicts it is written after the eviction's
+delete, so the index and the tier agree.
 
-The races are made deterministic by holding the tier's write (or read) until the delete
-has returned."""
+The races are made deterministic by holding the tier's write, read or delete until the
+other side has run (or has had the chance to)."""
 
 from __future__ import annotations
 
@@ -27,7 +29,8 @@ class GatedSsd(SsdTier):
         super().__init__(path, 16 * (CHUNK + 4096))
         self.entered = threading.Event()
         self.release = threading.Event()
-        self.gate_puts = self.gate_reads = False
+        self.gate_puts = self.gate_reads = self.gate_deletes = False
+        self.put_done = threading.Event()
 
     def _wait(self) -> None:
         self.entered.set()
@@ -36,7 +39,14 @@ class GatedSsd(SsdTier):
     def put(self, key: Any, data: Any) -> bool:
         if self.gate_puts:
             self._wait()
-        return super().put(key, data)
+        stored = super().put(key, data)
+        self.put_done.set()
+        return stored
+
+    def delete(self, key: Any) -> int:
+        if self.gate_deletes:
+            self._wait()
+        return super().delete(key)
 
     def read_many_into(self, items: Any) -> Any:
         results = super().read_many_into(items)
@@ -100,4 +110,52 @@ def test_a_read_that_races_a_delete_does_not_index_the_chunk_again(tmp_path: Pat
     assert lower.delete(key) is True
     tier.release.set()
     reader.join(10)
+    assert lower.local_tier(key) is None  # before the fix the read put it back in the index
+
+
+def test_a_demotion_into_a_tier_evicting_the_same_chunk_waits_for_the_eviction(
+    tmp_path: Path,
+) -> None:
+    """The chunk is in the SSD tier and (promoted) in the first tier. The SSD tier, full,
+    evicts it to take another chunk; meanwhile the first tier evicts its copy and demotes it
+    into the SSD tier. Before the fix that put landed between the eviction's index update
+    and its delete: indexed (and announced as stored), its file deleted."""
+    tier = GatedSsd(tmp_path / "ssd")
+    lower = LowerTierManager([(tier, TierPolicy())], Metrics())
+    key = make_key(100)
+    for seed in range(100, 116):  # full: the first one is the least recently used
+        lower.demote(make_key(seed), memoryview(make_chunk(seed, CHUNK)))
+    tier.gate_deletes = True
+    evicting = run_during(tier, lower.demote, make_key(116), memoryview(make_chunk(116, CHUNK)))
+    assert lower.local_tier(key) is None  # out of the index, its delete held
+    tier.put_done.clear()
+    demotion = threading.Thread(target=lower.demote, args=(key, memoryview(make_chunk(100, CHUNK))))
+    demotion.start()
+    tier.put_done.wait(1)  # before the fix the put ran at once; now it waits
+    tier.release.set()
+    evicting.join(10)
+    demotion.join(10)
+    assert not evicting.is_alive() and not demotion.is_alive()
+    assert (lower.local_tier(key) is tier, tier.contains_many([key])) == (True, [True])
+    out = memoryview(bytearray(CHUNK))
+    assert tier.read_into(key, out) and bytes(out) == bytes(make_chunk(100, CHUNK))
+
+
+def test_a_read_that_races_an_eviction_does_not_index_the_chunk_again(tmp_path: Path) -> None:
+    """A promotion reads the chunk while the full tier evicts it: the read succeeds, the
+    eviction deletes the file; the read must not put the chunk back in the index."""
+    tier = GatedSsd(tmp_path / "ssd")
+    lower = LowerTierManager([(tier, TierPolicy())], Metrics())
+    key = make_key(200)
+    for seed in range(200, 216):  # full: the first one is the least recently used
+        lower.demote(make_key(seed), memoryview(make_chunk(seed, CHUNK)))
+    (source,) = lower.sources([key])
+    tier.gate_reads = True
+    out = memoryview(bytearray(CHUNK))
+    reader = run_during(tier, lower.read_up, [(key, source, out)])
+    lower.demote(make_key(216), memoryview(make_chunk(216, CHUNK)))  # evicts the chunk read
+    assert tier.contains_many([key]) == [False]
+    tier.release.set()
+    reader.join(10)
+    assert not reader.is_alive()
     assert lower.local_tier(key) is None  # before the fix the read put it back in the index
