@@ -4,10 +4,15 @@ from __future__ import annotations
 
 import importlib
 import shutil
+import signal
 import tempfile
+import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 from lmcache_svc_bench import BENCHMARKS
@@ -58,7 +63,8 @@ def run_benchmark(
     started = time.strftime("%Y-%m-%d %H:%M:%S %Z")
     progress(f"{ctx.mode} mode; scratch in {work_dir}; results to {out_dir}")
     try:
-        report: Report = module.run(ctx)
+        with _terminate_unwinds():
+            report: Report = module.run(ctx)
     finally:
         if keep_work:
             progress(f"kept {work_dir}")
@@ -69,3 +75,23 @@ def run_benchmark(
     json_path, md_path = report.write(out_dir)
     progress(f"done in {report.elapsed_s:.0f} s: {json_path}, {md_path}")
     return report
+
+
+@contextmanager
+def _terminate_unwinds() -> Iterator[None]:
+    """SIGTERM (a ``kill``, a job's timeout) unwinds the benchmark as Ctrl-C does, so its
+    engines and servers are stopped and its scratch directory removed; Python's default
+    ends the process at once and leaves them running. Main thread only (where signal
+    handlers can be set); the previous handler comes back afterwards."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, _exit_on_signal)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _exit_on_signal(signum: int, frame: FrameType | None) -> None:
+    raise SystemExit(128 + signum)
