@@ -15,7 +15,7 @@ within seconds of each other; and they are compared as pairs, with a control pai
 
 The engines take each query in a rotating order (the first query c, cn, cp, b; the next cn,
 cp, b, c; ...), so no engine always runs first or right after another one. And the queries
-are split into rounds (``--set engine_rounds=N``, 3 by default, 2 in ``--quick``): each round
+are split into rounds (``--set engine_rounds=N``, 3 by default, 1 in ``--quick``): each round
 starts every engine afresh, in an order rotated by the round, so no engine is always the
 first one up. An engine process carries a bias of its own: on one host (2 vCPUs, Intel)
 two identical plain engines differed by 2-4 ms at the median, and whichever was started
@@ -118,7 +118,7 @@ def run(ctx: BenchContext) -> Report:
     )
     p.check()
     cold_repeats = ctx.option("cold_repeats", 3 if quick else 7)
-    rounds = ctx.option("engine_rounds", 2 if quick else 3)
+    rounds = ctx.option("engine_rounds", 1 if quick else 3)
     b_settings = plugin_settings(ctx)
     check_rounds(rounds, p.num_queries)
     shape = shape_named(p.model)
