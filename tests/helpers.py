@@ -79,6 +79,27 @@ def wait_until(predicate: Callable[[], object], timeout_s: float, what: str) -> 
         pause_s = min(2 * pause_s, 0.1)
 
 
+def process_state(pid: int) -> str | None:
+    """The process's state letter from ``/proc`` ("R", "S", "T" stopped, "Z" zombie...);
+    ``None`` once it is gone (reaped)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return None
+
+
+def child_pids(pid: int, named: bytes = b"") -> list[int]:
+    """The live children of ``pid`` (any of its threads') whose command line holds ``named``."""
+    out: list[int] = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            kids = [int(c) for c in (task / "children").read_text().split()]
+            out += [c for c in kids if named in Path(f"/proc/{c}/cmdline").read_bytes()]
+        except OSError:  # a thread or a child that just ended
+            continue
+    return out
+
+
 def count_calls(monkeypatch: pytest.MonkeyPatch, owner: object, name: str) -> list[tuple]:
     """Record each call of ``owner.name`` (a class's method, an object's bound method or a
     module's function; each call still runs): one entry per call, its positional arguments

@@ -9,28 +9,11 @@ import re
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
+from tests.helpers import child_pids, process_state, wait_until
+
 SCRATCH = re.compile(r"scratch in (\S+);")
-
-
-def children(pid: int) -> list[int]:
-    out: list[int] = []
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        try:
-            out += [int(c) for c in (task / "children").read_text().split()]
-        except OSError:  # a thread that just ended
-            continue
-    return out
-
-
-def alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
 
 
 def test_sigterm_stops_the_benchmarks_servers_and_removes_its_scratch(tmp_path: Path) -> None:
@@ -42,28 +25,25 @@ def test_sigterm_stops_the_benchmarks_servers_and_removes_its_scratch(tmp_path: 
         text=True,
     )
     servers: list[int] = []
+
+    def server_started() -> bool:
+        assert bench.poll() is None, "the benchmark ended before its server started"
+        servers[:] = child_pids(bench.pid, named=b"serve")
+        return bool(servers)
+
     try:
         assert bench.stderr is not None
         match = SCRATCH.search(bench.stderr.readline())
         assert match, "the benchmark did not say where its scratch directory is"
         scratch = Path(match.group(1))
-        deadline = time.monotonic() + 60
-        while not servers:
-            assert bench.poll() is None, "the benchmark ended before its server started"
-            assert time.monotonic() < deadline, "no server started within 60 s"
-            servers = [
-                c
-                for c in children(bench.pid)
-                if b"serve" in Path(f"/proc/{c}/cmdline").read_bytes()
-            ]
-            time.sleep(0.05)
+        wait_until(server_started, 60, "the benchmark's server start")
         bench.send_signal(signal.SIGTERM)
         code = bench.wait(60)
     finally:
         if bench.poll() is None:
             bench.kill()
             bench.wait()
-        left = [pid for pid in servers if alive(pid)]
+        left = [pid for pid in servers if process_state(pid) not in (None, "Z")]
         for pid in left:
             os.kill(pid, signal.SIGKILL)
     assert (code, left, scratch.exists()) == (128 + signal.SIGTERM, [], False)

@@ -18,7 +18,6 @@ import os
 import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import Any, Literal
 
 import pytest
@@ -27,6 +26,7 @@ from lmcache_svc_vllm.link import MAX_RETRY_INTERVAL_S
 
 from lmcache_svc_bench.procs import start_server
 from lmcache_svc_bench.vllm.engines import EngineProc, delta
+from tests.helpers import process_state
 from tests.vllm.e2e import MAX_TOKENS, Env, hits_again, wait_stored
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(600)]
@@ -165,15 +165,11 @@ def _end_fault(env: Env, fault: Fault) -> None:
         env.server.kill()  # reaps it and removes its segment
         env.server = start_server(env.tmp, socket_path=env.server.socket)
     else:
-        assert _state(pid) in ("T", "t"), "the server was not hung throughout"
+        assert process_state(pid) in ("T", "t"), "the server was not hung throughout"
         os.kill(pid, signal.SIGCONT)
 
 
 def _resume_if_stopped(env: Env) -> None:
     """Never leave a stopped server behind a failed assertion."""
-    if env.server.proc.poll() is None and _state(env.server.proc.pid) in ("T", "t"):
+    if env.server.proc.poll() is None and process_state(env.server.proc.pid) in ("T", "t"):
         os.kill(env.server.proc.pid, signal.SIGCONT)
-
-
-def _state(pid: int) -> str:
-    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
