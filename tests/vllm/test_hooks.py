@@ -202,3 +202,68 @@ def test_reading_marks_skips_a_line_still_being_written(tmp_path) -> None:  # ty
     path.write_text("300 7 b<\n100 7 a>\n12345\n200 7 a<\n400 8 load.cop")
     assert read_marks(str(path), 100, 300) == [(100, "a>"), (200, "a<"), (300, "b<")]
     assert read_marks(str(path), 250, 1000) == [(300, "b<")]
+
+
+def test_a_mark_makes_no_write_the_writer_thread_and_flush_do(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A mark only gathers in memory (no system call on the path it times); the process's
+    writer thread appends it within its period, ``flush`` at once."""
+    import os
+
+    from lmcache_svc_vllm.trace import TraceFile, read_marks
+
+    from tests.helpers import wait_until
+
+    held = tmp_path / "held.txt"
+    slow = TraceFile(str(held), flush_s=3600.0)
+    slow.mark("a>")
+    slow.mark("a<")
+    assert held.read_text() == ""
+    slow.flush()
+    lines = held.read_text().splitlines()
+    assert [line.split(" ", 1)[1] for line in lines] == [f"{os.getpid()} a>", f"{os.getpid()} a<"]
+    slow.flush()  # nothing more to write
+    assert len(held.read_text().splitlines()) == 2
+
+    written = tmp_path / "written.txt"
+    fast = TraceFile(str(written), flush_s=0.01)
+    fast.mark("b>")
+    wait_until(lambda: read_marks(str(written), 0, 2**63) != [], 30, "the writer thread's write")
+    assert [name for _, name in read_marks(str(written), 0, 2**63)] == ["b>"]
+
+
+def test_a_forked_child_writes_its_own_marks_under_its_own_pid(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A child forked with marks still in memory writes none of its parent's: each
+    process writes what it marked, under its pid (vLLM may fork its workers)."""
+    import os
+    import subprocess
+    import sys
+
+    path = tmp_path / "trace.txt"
+    script = (
+        "import os, sys\n"
+        "from lmcache_svc_vllm.trace import TraceFile\n"
+        "t = TraceFile(sys.argv[1], flush_s=3600.0)\n"
+        "t.mark('parent')\n"
+        "child = os.fork()\n"
+        "if child == 0:\n"
+        "    t.mark('child')\n"
+        "    t.flush()\n"
+        "    os._exit(0)\n"
+        "os.waitpid(child, 0)\n"
+        "t.flush()\n"
+        "print(child)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    done = subprocess.run(
+        [sys.executable, "-c", script, str(path)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    child_pid = done.stdout.strip()
+    owners = sorted(line.split(" ", 1)[1] for line in path.read_text().splitlines())
+    parent_pid = next(o.split()[0] for o in owners if o.endswith(" parent"))
+    assert owners == sorted([f"{child_pid} child", f"{parent_pid} parent"])
+    assert parent_pid != child_pid

@@ -179,6 +179,13 @@ def _marks_until_first(start_ns: int, first_s: float) -> list[tuple[float, str]]
         return []
 
     end_ns = start_ns + int(first_s * 1e9) + 1_000_000  # the first token's own mark
+    # Marks are written a little later than they are taken (trace.py): this process's now,
+    # the engine's processes' within settle_s() of the first token.
+    getattr(trace, "flush", lambda: None)()
+    settle_ns = int(getattr(trace, "settle_s", lambda: 0.0)() * 1e9)
+    wait_s = (end_ns + settle_ns - time.perf_counter_ns()) / 1e9
+    if wait_s > 0:
+        time.sleep(wait_s)
     return [((ns - start_ns) / 1e6, name) for ns, name in trace.read_marks(path, start_ns, end_ns)]
 
 
