@@ -267,3 +267,28 @@ def test_a_forked_child_writes_its_own_marks_under_its_own_pid(tmp_path) -> None
     parent_pid = next(o.split()[0] for o in owners if o.endswith(" parent"))
     assert owners == sorted([f"{child_pid} child", f"{parent_pid} parent"])
     assert parent_pid != child_pid
+
+
+def test_marks_that_cannot_be_written_are_dropped_with_one_warning(tmp_path, caplog) -> None:  # type: ignore[no-untyped-def]
+    """A trace file that stops taking writes (here: read-only) neither stops
+    the writer thread nor keeps the marks in memory: they are dropped, with one warning."""
+    import logging
+    import os
+
+    from lmcache_svc_vllm.trace import TraceFile
+
+    from tests.helpers import wait_until
+
+    trace_file = TraceFile(str(tmp_path / "trace.txt"), flush_s=0.01)
+    read_only = tmp_path / "read-only.txt"
+    read_only.write_text("")
+    os.close(trace_file._fd)
+    trace_file._fd = os.open(read_only, os.O_RDONLY)  # every write fails with EBADF now
+    with caplog.at_level(logging.WARNING):
+        for _ in range(3):
+            trace_file.mark("lost")
+            wait_until(lambda: not trace_file._marks, 30, "the marks dropped")
+    warnings = [r for r in caplog.records if "cannot be written" in r.getMessage()]
+    assert len(warnings) == 1
+    assert trace_file._writer is not None and trace_file._writer.is_alive()
+    assert read_only.read_text() == ""

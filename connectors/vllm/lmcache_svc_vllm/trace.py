@@ -5,13 +5,14 @@ Off unless ``LMCACHE_SVC_VLLM_TRACE`` names a file in the engine's environment: 
 ``CLOCK_MONOTONIC`` on Linux, so the marks of vLLM's scheduler and worker processes and of
 the benchmark driving the engine share one time line.
 
-A mark costs no system call on the path it measures: it appends to a list in memory, and a
-thread of the process's own (started at its first mark, off vLLM's compute cores) writes
+A mark costs no system call on the path it measures: it appends to a queue in memory, and
+a thread of the process's own (started at its first mark, off vLLM's compute cores) writes
 what has gathered every ``FLUSH_S``, as whole lines in one ``O_APPEND`` write (not
-interleaved with other processes' lines), and once more at exit. A write per mark put
-one system call per mark on the timed path: up to a hit's first token in ``bench
-hitcost``, 52 for the plugin's engine against 6 (the driver's own) for vLLM's prefix hit. A reader waits ``settle_s()`` after its last mark before reading
-(``flush`` writes the calling process's own at once).
+interleaved with other processes' lines), and once more at exit; marks it cannot write are
+dropped, with one warning. A write per mark put one system call per mark on the timed
+path: up to a hit's first token in ``bench hitcost``, 52 for the plugin's engine against 6
+(the driver's own) for vLLM's prefix hit. A reader waits ``settle_s()`` after its last mark
+before reading (``flush`` writes the calling process's own at once).
 
 Each hook of the connector is marked ``<hook>>`` on entry and ``<hook><`` on exit
 (``hooks.timed``); inside, the load and save paths mark their phases (``worker.py``) and the
@@ -63,7 +64,7 @@ class TraceFile:
         """Write the marks gathered so far now."""
         with self._write_lock:  # one writer at a time: lines stay in order
             marks = self._marks
-            lines = [marks.popleft() for _ in range(len(marks))]
+            lines = [marks.popleft() for _ in range(len(marks))]  # gone even if the write fails
             if lines:
                 pid = self._pid
                 os.write(self._fd, "".join(f"{ns} {pid} {n}\n" for ns, n in lines).encode())
@@ -80,9 +81,15 @@ class TraceFile:
 
     def _write_every(self) -> None:
         off_compute_cores()
+        warned = False
         while True:  # as long as the process lives (a daemon thread)
             time.sleep(self._flush_s)
-            self.flush()
+            try:
+                self.flush()
+            except OSError as e:  # a full disk, a closed file: the marks are dropped
+                if not warned:
+                    logger.warning("lmcache-svc: trace marks cannot be written (%s): dropped", e)
+                    warned = True
 
 
 def _off(name: str) -> None:
