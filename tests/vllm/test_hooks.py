@@ -9,6 +9,8 @@ import pytest
 from lmcache_svc_vllm.hooks import FLUSH_NS, HookClock, flush, timed
 from lmcache_svc_vllm.stats import FirstTokenHold, StatsRecorder, merge, summarize
 
+from tests.helpers import wait_until
+
 
 class Hooks:
     def __init__(self) -> None:
@@ -211,8 +213,6 @@ def test_a_mark_makes_no_write_the_writer_thread_and_flush_do(tmp_path) -> None:
 
     from lmcache_svc_vllm.trace import TraceFile, read_marks
 
-    from tests.helpers import wait_until
-
     held = tmp_path / "held.txt"
     slow = TraceFile(str(held), flush_s=3600.0)
     slow.mark("a>")
@@ -276,8 +276,6 @@ def test_marks_that_cannot_be_written_are_dropped_with_one_warning(tmp_path, cap
     import os
 
     from lmcache_svc_vllm.trace import TraceFile
-
-    from tests.helpers import wait_until
 
     trace_file = TraceFile(str(tmp_path / "trace.txt"), flush_s=0.01)
     read_only = tmp_path / "read-only.txt"

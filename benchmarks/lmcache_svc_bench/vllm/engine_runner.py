@@ -180,9 +180,9 @@ def _marks_until_first(start_ns: int, first_s: float) -> list[tuple[float, str]]
 
     end_ns = start_ns + int(first_s * 1e9) + 1_000_000  # the first token's own mark
     # Marks are written a little later than they are taken (trace.py): this process's now,
-    # the engine's processes' within settle_s() of the first token.
+    # the engine's processes' within SETTLE_S of the first token.
     getattr(trace, "flush", lambda: None)()
-    settle_ns = int(getattr(trace, "settle_s", lambda: 0.0)() * 1e9)
+    settle_ns = int(getattr(trace, "SETTLE_S", 0.0) * 1e9)
     wait_s = (end_ns + settle_ns - time.perf_counter_ns()) / 1e9
     if wait_s > 0:
         time.sleep(wait_s)

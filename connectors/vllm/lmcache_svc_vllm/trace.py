@@ -11,7 +11,7 @@ what has gathered every ``FLUSH_S``, as whole lines in one ``O_APPEND`` write (n
 interleaved with other processes' lines), and once more at exit; marks it cannot write are
 dropped, with one warning. A write per mark put one system call per mark on the timed
 path: up to a hit's first token in ``bench hitcost``, 52 for the plugin's engine against 6
-(the driver's own) for vLLM's prefix hit. A reader waits ``settle_s()`` after its last mark
+(the driver's own) for vLLM's prefix hit. A reader waits ``SETTLE_S`` after its last mark
 before reading (``flush`` writes the calling process's own at once).
 
 Each hook of the connector is marked ``<hook>>`` on entry and ``<hook><`` on exit
@@ -35,6 +35,7 @@ from lmcache_svc_vllm.cores import off_compute_cores
 
 TRACE_ENV = "LMCACHE_SVC_VLLM_TRACE"
 FLUSH_S = 0.05
+SETTLE_S = 2 * FLUSH_S  # a mark is in the file this long after it was taken
 logger = logging.getLogger(f"vllm.{__name__}")
 
 
@@ -120,11 +121,6 @@ def flush() -> None:
     """Write this process's marks now (nothing when tracing is off)."""
     if _file is not None:
         _file.flush()
-
-
-def settle_s() -> float:
-    """How long after a mark every process has written it (two writer periods)."""
-    return 2 * FLUSH_S
 
 
 def read_marks(path: str, start_ns: int, end_ns: int) -> list[tuple[int, str]]:
