@@ -20,6 +20,7 @@ Needs only a CUDA build of torch and this repository (no server, no vLLM, no net
 from __future__ import annotations
 
 import argparse
+import itertools
 import statistics
 import subprocess
 import sys
@@ -34,7 +35,13 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "connectors" / "vllm"))
 
 from lmcache_svc_vllm.layout import KVPages  # noqa: E402
-from lmcache_svc_vllm.mover import GROUP_BYTES, ChunkLoad, ChunkSave, PageMover  # noqa: E402
+from lmcache_svc_vllm.mover import (  # noqa: E402
+    GROUP_BYTES,
+    UNIT_BYTES,
+    ChunkLoad,
+    ChunkSave,
+    PageMover,
+)
 from lmcache_svc_vllm.pinning import HostPinner, address_of, cuda_host_registrar  # noqa: E402
 from lmcache_svc_vllm.streams import CudaCopyStream, copy_stream_for  # noqa: E402
 
@@ -281,11 +288,12 @@ def _mover_variants(
 
 
 def bench_small_loads(repeats: int) -> None:
-    """The fixed cost of a hit on the device: loads of 1, 4 and 16 chunks of 128 tokens
+    """The fixed cost of a hit on the device: loads of 1, 2, 4 and 16 chunks of 128 tokens
     (the plugin's default on CUDA: 8 blocks of 16) of a model shaped like an 8B one (32
     layers, 8 KV heads of 128, bf16: 16 MiB a chunk) from the page-locked arena into
     scattered blocks, next to one plain pinned copy of the same bytes; and the host time
-    ``load`` takes to enqueue them (what the forward pass's thread spends)."""
+    ``load`` takes to enqueue them (what the forward pass's thread spends). Each variant's
+    loaded blocks are checked against their chunks."""
     shape = KVShape(num_layers=32, num_blocks=512, block_size=16, num_kv_heads=8, head_size=128)
     bpc = 8
     caches = make_kv_caches(shape, seed=4, device="cuda")
@@ -301,20 +309,34 @@ def bench_small_loads(repeats: int) -> None:
     pinner = HostPinner(*cuda_host_registrar())
     pinner.add_buffer(arena.view(first))
     pinner.wait_idle()
+    for s in slots:  # something to load, to check each variant's bytes by
+        assert s is not None
+        pages.chunk_tensor(arena.view(s)).copy_(
+            torch.randint(0, 256, (g.chunk_bytes,)).view(g.num_layers, bpc, g.page_bytes)
+        )
     order = torch.randperm(shape.num_blocks).tolist()
-    for n, stack in ((1, True), (1, False), (4, True), (4, False), (16, True), (16, False)):
-        mover = PageMover(pages, CudaCopyStream("cuda"), stack_layers=stack)
+    variants = (
+        (True, UNIT_BYTES, f"a group of layers at a time, units of {UNIT_BYTES >> 20} MiB"),
+        (True, 0, "a group of layers at a time, a unit per 4 MiB group (before units)"),
+        (False, UNIT_BYTES, "a layer at a time"),
+    )
+    for n, (stack, unit_bytes, what) in itertools.product((1, 2, 4, 16), variants):
+        mover = PageMover(pages, CudaCopyStream("cuda"), stack_layers=stack, unit_bytes=unit_bytes)
         loads = [
             ChunkLoad(arena.view(s), 0, order[i * bpc : (i + 1) * bpc])
             for i, s in enumerate(slots[:n])
             if s is not None
         ]
         load_ms, enqueue_ms, copy_ms = _time_load(mover, loads, arena.view(first), repeats)
+        for c in loads:
+            want = pages.chunk_tensor(c.src).to("cuda")  # type: ignore[arg-type]
+            got = torch.stack([layer[c.block_ids] for layer in pages.layers])
+            assert torch.equal(got, want), f"{what}: a loaded block differs from its chunk"
         print(
             f"a hit of {n} chunk(s) ({n * bpc * shape.block_size} tokens, "
-            f"{n * g.chunk_bytes >> 20} MiB), {'a group of layers' if stack else 'a layer'} "
-            f"at a time: load {load_ms:.3f} ms (enqueued in {enqueue_ms:.3f} ms) vs one "
-            f"plain pinned copy {copy_ms:.3f} ms: {load_ms - copy_ms:+.3f} ms"
+            f"{n * g.chunk_bytes >> 20} MiB), {what}: load {load_ms:.3f} ms (enqueued in "
+            f"{enqueue_ms:.3f} ms) vs one plain pinned copy {copy_ms:.3f} ms: "
+            f"{load_ms - copy_ms:+.3f} ms"
         )
         loads.clear()  # views of the arena: released before it closes
     pinner.close()

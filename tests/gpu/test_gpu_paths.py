@@ -102,7 +102,7 @@ def test_grouped_copies_of_many_units_round_trip(
     slots = torch.empty((len(SAVED), g.chunk_bytes), dtype=torch.uint8, pin_memory=True)
     chunks = [slot.view(g.num_layers, g.blocks_per_chunk, g.page_bytes) for slot in slots]
     stream = CudaCopyStream("cuda")
-    mover = PageMover(src, stream, overlap=overlap)
+    mover = PageMover(src, stream, overlap=overlap, unit_bytes=0)
     assert len(mover._units(len(SAVED), range(g.num_layers))) == (4 if overlap else 2)
     mover.save([ChunkSave(ids, c) for ids, c in zip(SAVED, chunks)]).synchronize()
     for ids, chunk in zip(SAVED, chunks):
@@ -110,7 +110,7 @@ def test_grouped_copies_of_many_units_round_trip(
         want = torch.stack([layer.index_select(0, index) for layer in src.layers])
         assert torch.equal(chunk.cuda(), want)
     loads = [ChunkLoad(c, 0, ids) for c, ids in zip(chunks, LOADED)]
-    PageMover(dst, stream, overlap=overlap).load(loads).synchronize()
+    PageMover(dst, stream, overlap=overlap, unit_bytes=0).load(loads).synchronize()
     for s_layer, d_layer in zip(src.layers, dst.layers):
         for saved, loaded in zip(SAVED, LOADED):
             assert torch.equal(d_layer[loaded], s_layer[saved])

@@ -229,10 +229,14 @@ def test_host_saves_match_the_page_by_page_reference(seed: int) -> None:
     assert bytes(arena) == bytes(want)
 
 
-@pytest.mark.parametrize("group_bytes", [0, 20_000, 1 << 30], ids=["by-layer", "2-layers", "all"])
+@pytest.mark.parametrize(
+    ("group_bytes", "unit_bytes"),
+    [(0, 0), (20_000, 0), (1 << 30, 0), (1, 40_000)],
+    ids=["by-layer", "2-layers", "all", "units-by-chunks"],
+)
 @pytest.mark.parametrize("seed", range(6))
 def test_device_path_copies_match_the_page_by_page_reference(
-    seed: int, group_bytes: int, monkeypatch: pytest.MonkeyPatch
+    seed: int, group_bytes: int, unit_bytes: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The CUDA path's copies (gather="index": scratch, one copy per chunk and group of
     layers, scratch in batches) on CPU tensors: saves of whole chunks from scattered blocks,
@@ -251,7 +255,9 @@ def test_device_path_copies_match_the_page_by_page_reference(
         ids = src[i * bpc : (i + 1) * bpc]
         saves.append(ChunkSave(ids, pages.chunk_tensor(arena[i * n : (i + 1) * n])))
         pages.copy_chunk_out(ids, pages.chunk_tensor(memoryview(want)[i * n : (i + 1) * n]))
-    mover = PageMover(pages, SyncStream(), gather="index", group_bytes=group_bytes)
+    mover = PageMover(
+        pages, SyncStream(), gather="index", group_bytes=group_bytes, unit_bytes=unit_bytes
+    )
     mover.save(saves).synchronize()
     assert bytes(arena) == bytes(want)
 
@@ -264,7 +270,10 @@ def test_device_path_copies_match_the_page_by_page_reference(
         ids, chunk = to[i * bpc : (i + 1) * bpc], arena[i * n : (i + 1) * n]
         loads.append(ChunkLoad(chunk, 0, ids))
         reference.copy_chunk_in(pages.chunk_tensor(chunk), 0, ids)
-    events = PageMover(dst, SyncStream(), gather="index", group_bytes=group_bytes).load(loads)
+    mover = PageMover(
+        dst, SyncStream(), gather="index", group_bytes=group_bytes, unit_bytes=unit_bytes
+    )
+    events = mover.load(loads)
     assert len(events.events) == SHAPE.num_layers
     for got, wanted in zip(dst.layers, expected):
         assert torch.equal(got, wanted)
@@ -272,10 +281,23 @@ def test_device_path_copies_match_the_page_by_page_reference(
 
 def test_layer_groups_are_runs_of_consecutive_layers_up_to_the_group_size() -> None:
     pages, _ = make_pages(0)  # 16 KiB per layer of a chunk
-    groups = PageMover(pages, SyncStream(), gather="index", group_bytes=20_000)._layer_groups
-    assert groups(range(3)) == [[0, 1], [2]]
-    assert groups([0, 2]) == [[0], [2]]
-    assert PageMover(pages, SyncStream(), group_bytes=1)._layer_groups(range(3)) == [[0], [1], [2]]
+    mover = PageMover(pages, SyncStream(), gather="index", group_bytes=20_000, unit_bytes=0)
+    assert mover._layer_groups(range(3)) == [[0, 1], [2]]
+    assert mover._layer_groups([0, 2]) == [[0], [2]]
+    by_layer = PageMover(pages, SyncStream(), group_bytes=1, unit_bytes=0)
+    assert by_layer._layer_groups(range(3)) == [[0], [1], [2]]
+
+
+def test_a_unit_holds_more_layers_when_a_copy_has_few_chunks() -> None:
+    """``unit_bytes``: a unit moves at least that much of all its chunks together, so one
+    chunk goes in fewer, larger units; many chunks keep ``group_bytes``'s groups."""
+    pages, _ = make_pages(0)  # 16 KiB per layer of a chunk, 3 layers
+    mover = PageMover(pages, SyncStream(), gather="index", group_bytes=1, unit_bytes=40_000)
+    assert mover._layer_groups(range(3), num_chunks=1) == [[0, 1, 2]]  # 48 KiB >= 40,000
+    assert mover._layer_groups(range(3), num_chunks=2) == [[0, 1], [2]]  # 64 KiB
+    assert mover._layer_groups(range(3), num_chunks=3) == [[0], [1], [2]]  # 48 KiB each
+    units = mover._units(1, range(3))
+    assert [(u.group, u.batch, u.last) for u in units] == [([0, 1, 2], range(1), True)]
 
 
 def test_device_gathers_move_8_byte_words_where_the_pages_allow() -> None:

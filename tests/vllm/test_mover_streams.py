@@ -56,7 +56,7 @@ def saved(seed: int, stream: RecordingStream, **kw: Any) -> tuple[bytes, bytes]:
         ids = src[i * bpc : (i + 1) * bpc]
         saves.append(ChunkSave(ids, pages.chunk_tensor(slots[i * n : (i + 1) * n])))
         pages.copy_chunk_out(ids, pages.chunk_tensor(memoryview(want)[i * n : (i + 1) * n]))
-    PageMover(pages, stream, gather="index", group_bytes=GROUP_BYTES, **kw).save(
+    PageMover(pages, stream, gather="index", group_bytes=GROUP_BYTES, unit_bytes=0, **kw).save(
         saves
     ).synchronize()
     return bytes(slots), bytes(want)
@@ -81,7 +81,7 @@ def loaded(
         ids, chunk = to[i * bpc : (i + 1) * bpc], slots[i * n : (i + 1) * n]
         loads.append(ChunkLoad(chunk, 0, ids))
         want.copy_chunk_in(pages.chunk_tensor(chunk), 0, ids)
-    mover = PageMover(pages, stream, gather="index", group_bytes=GROUP_BYTES, **kw)
+    mover = PageMover(pages, stream, gather="index", group_bytes=GROUP_BYTES, unit_bytes=0, **kw)
     return pages, want.layers, mover.load(loads)
 
 

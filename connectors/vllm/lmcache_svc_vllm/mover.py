@@ -1,7 +1,8 @@
 """Batched KV copies between the engine's pages and chunk slots, one layer at a time.
 
 ``PageMover`` moves the pages of one step's chunks on a ``CopyStream``; on a device, whole
-chunks go by groups of consecutive layers (``_layer_groups``: 4 MiB of a chunk per copy),
+chunks go by groups of consecutive layers (``_layer_groups``: 4 MiB of a chunk per copy, and
+16 MiB of all the chunks together where there are few),
 a group for a batch of chunks at a time (a unit, ``_units``):
 
 - save (device -> slot): the pages of every chunk of the unit are gathered into device
@@ -60,6 +61,12 @@ Gather = Literal["runs", "index"]
 
 GROUP_BYTES = 4 << 20
 """Device copies of whole chunks move at least this much per chunk where layers allow."""
+UNIT_BYTES = 16 << 20
+"""A unit of a grouped copy moves at least this much, all its chunks together, where the
+layers allow: a group then holds more layers when a load or save has few chunks. Each unit
+costs the host its copies, a gather or scatter, events and stream switches to enqueue; a
+128-token hit of an 8B model (one 16 MiB chunk) was 4 units of 4 MiB, and enqueueing them
+took longer than the copy itself (docs/gpu.md). At most half of ``SCRATCH_BYTES``."""
 SCRATCH_BYTES = 256 << 20
 """The most device scratch a grouped copy holds at a time (its two buffers together)."""
 COPIER_MIN_BYTES = 1 << 20
@@ -113,13 +120,16 @@ class PageMover:
         *,
         gather: Gather | None = None,
         group_bytes: int = GROUP_BYTES,
+        unit_bytes: int = UNIT_BYTES,
         overlap: bool = True,
         stack_layers: bool = True,
         copier: CopyThread | None = None,
         copier_min_bytes: int = COPIER_MIN_BYTES,
     ) -> None:
         """``group_bytes``: device copies of whole chunks move this many bytes per chunk
-        where the layers allow (``_layer_groups``); 0 copies layer by layer. ``overlap``:
+        where the layers allow (``_layer_groups``); 0 copies layer by layer.
+        ``unit_bytes``: and a group of layers holds at least this many bytes of all the
+        chunks together (0: ``group_bytes`` alone sets its size). ``overlap``:
         their gathers and scatters run on the stream's side stream, beside the copies
         (False: on the copy stream, between them). ``stack_layers``: layers that lie in one
         buffer at even distances are gathered and scattered a group at a time
@@ -131,6 +141,7 @@ class PageMover:
         self._side = stream.side() if overlap else stream
         self._stacked = _StackedLayers.of(pages) if stack_layers else None
         self.group_bytes = group_bytes
+        self.unit_bytes = unit_bytes
         device = pages.device
         self.gather: Gather = gather or ("index" if device.type != "cpu" else "runs")
         self._non_blocking = device.type != "cpu"
@@ -273,13 +284,20 @@ class PageMover:
             and all(len(c.block_ids) == bpc for c in chunks)
         )
 
-    def _layer_groups(self, layers: Sequence[int]) -> list[list[int]]:
-        """Runs of consecutive layers whose pages of one chunk add up to ``group_bytes``:
-        each chunk's part of a group is one contiguous range of its slot, one copy. (A
-        chunk's pages of one layer are 512 KiB for a typical 8B model's 128-token chunk;
-        a copy that small leaves the copy engine idle between launches.)"""
+    def _layer_groups(self, layers: Sequence[int], num_chunks: int = 1) -> list[list[int]]:
+        """Runs of consecutive layers whose pages of one chunk add up to ``group_bytes``,
+        and whose pages of all ``num_chunks`` chunks to ``unit_bytes``: each chunk's part of
+        a group is one contiguous range of its slot, one copy. (A chunk's pages of one layer
+        are 512 KiB for a typical 8B model's 128-token chunk; a copy that small leaves the
+        copy engine idle between launches, and a unit that small costs the host more to
+        enqueue than its copies take.)"""
         g = self.pages.geometry
-        size = max(1, -(-self.group_bytes // (g.blocks_per_chunk * g.page_bytes)))
+        per_layer = g.blocks_per_chunk * g.page_bytes  # one chunk's pages of one layer
+        size = max(
+            1,
+            -(-self.group_bytes // per_layer),
+            -(-self.unit_bytes // (max(1, num_chunks) * per_layer)),
+        )
         groups: list[list[int]] = []
         for layer in layers:
             if groups and groups[-1][-1] + 1 == layer and len(groups[-1]) < size:
@@ -295,7 +313,7 @@ class PageMover:
         g = self.pages.geometry
         budget = SCRATCH_BYTES if self._side is self.stream else SCRATCH_BYTES // 2
         units = []
-        for group in self._layer_groups(layers):
+        for group in self._layer_groups(layers, num_chunks):
             per_chunk = len(group) * g.blocks_per_chunk * g.page_bytes
             step = max(1, budget // per_chunk)
             for i in range(0, num_chunks, step):
