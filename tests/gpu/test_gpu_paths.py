@@ -4,6 +4,8 @@ the two-process checks of ``check.py`` at their small sizes, and real page-locki
 from __future__ import annotations
 
 import mmap
+import threading
+from collections.abc import Callable
 
 import pytest
 
@@ -114,3 +116,55 @@ def test_grouped_copies_of_many_units_round_trip(
     for s_layer, d_layer in zip(src.layers, dst.layers):
         for saved, loaded in zip(SAVED, LOADED):
             assert torch.equal(d_layer[loaded], s_layer[saved])
+
+
+def test_a_replaced_mapping_is_unregistered_on_the_device(caplog: pytest.LogCaptureFixture) -> None:
+    """A server restart, as the worker sees it: the buffers of a new mapping retire the
+    old one, which the driver then really lets go (registering it again succeeds; a range
+    still registered fails with cudaErrorHostMemoryAlreadyRegistered), and copies into the
+    new one run."""
+    import torch
+    from lmcache_svc_vllm.pinning import HostPinner, address_of, cuda_drain, cuda_host_registrar
+
+    size = 64 << 20
+    old, new = mmap.mmap(-1, size), mmap.mmap(-1, size)
+    register, unregister = cuda_host_registrar()
+    pinner = HostPinner(register, unregister, drain=cuda_drain(torch.device("cuda")))
+    assert pinner.add_buffer(memoryview(old)[:4096])
+    assert pinner.wait_idle(60) and pinner.is_pinned(address_of(old), size)
+    assert not registers_again(register, address_of(old), size)  # registered: refused
+    assert pinner.add_buffer(memoryview(new)[:4096])
+    assert pinner.wait_idle(60)
+    assert [p.address for p in pinner.registered] == [address_of(new)]
+    assert registers_again(register, address_of(old), size)  # the driver let it go
+    unregister(address_of(old))
+    host = torch.frombuffer(new, dtype=torch.uint8)
+    dev = torch.randint(0, 256, (size,), dtype=torch.uint8, device="cuda")
+    host.copy_(dev, non_blocking=True)
+    torch.cuda.synchronize()
+    assert torch.equal(host, dev.cpu())
+    del host
+    pinner.close()
+    assert pinner.registered == []
+    assert "failed" not in caplog.text
+    old.close()
+    new.close()
+
+
+def registers_again(register: Callable[[int, int, bool], None], address: int, size: int) -> bool:
+    """Whether ``cudaHostRegister`` takes the range, tried on a thread of its own: a
+    failure leaves the CUDA runtime's last error set in the calling thread, where torch's
+    next launch check would raise it."""
+    ok: list[bool] = []
+
+    def run() -> None:
+        try:
+            register(address, size, False)
+            ok.append(True)
+        except RuntimeError:
+            ok.append(False)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join(60)
+    return ok == [True]

@@ -4,12 +4,15 @@
 # ruff: noqa: E402  (imports after the torch check)
 from __future__ import annotations
 
+import gc
 import mmap
 import threading
+import weakref
 
 import pytest
 
 pytest.importorskip("torch", reason="the plugin needs torch (the [torch] extra)")
+from lmcache_svc_vllm import pinning
 from lmcache_svc_vllm.pinning import HostPinner, Part, address_of
 
 from tests.helpers import wait_until
@@ -139,3 +142,87 @@ def test_a_mapping_is_registered_whole_by_default() -> None:
     assert rec.registered == [(1 << 40, 3 * 1024 * MiB + 4096, True)]
     pinner.close()
     assert rec.unregistered == [1 << 40]
+
+
+class M(mmap.mmap):
+    """An ``mmap`` a test can hold a weak reference to."""
+
+
+class Log(Recorder):
+    """Every register, unregister and drain, in order, in one list."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[tuple[str, int]] = []
+
+    def register(self, address: int, nbytes: int, read_only: bool) -> None:
+        super().register(address, nbytes, read_only)
+        self.calls.append(("register", address))
+
+    def unregister(self, address: int) -> None:
+        super().unregister(address)
+        self.calls.append(("unregister", address))
+
+    def drain(self) -> None:
+        self.calls.append(("drain", 0))
+
+
+def test_a_newer_mapping_retires_the_older_one_of_the_same_access() -> None:
+    """A server restart: the client maps the new segment, whose buffers retire the old
+    mapping (drained, then unregistered); the other access's mapping stays."""
+    log = Log()
+    pinner = HostPinner(log.register, log.unregister, drain=log.drain)
+    old_rw, old_ro, new_rw = M(-1, 8192), M(-1, 8192), M(-1, 8192)
+    assert pinner.add_buffer(memoryview(old_rw)[4096:])
+    assert pinner.add_buffer(memoryview(old_ro).toreadonly())
+    assert pinner.wait_idle(10)
+    assert pinner.add_buffer(memoryview(new_rw)[:4096])
+    assert pinner.wait_idle(10)
+    old, new = address_of(old_rw), address_of(new_rw)
+    assert log.calls[2:] == [("drain", 0), ("unregister", old), ("register", new)]
+    assert {p.address for p in pinner.registered} == {address_of(old_ro), new}
+    assert not pinner.add_buffer(memoryview(new_rw))  # known
+    pinner.close()
+    assert sorted(log.unregistered) == sorted([old, address_of(old_ro), new])
+
+
+def test_a_registered_mapping_stays_mapped_until_it_is_retired() -> None:
+    """Unmapped while registered, its pages would stay locked until the engine exits: the
+    pinner holds the mapping until a newer one retires it (or until close)."""
+    rec = Recorder()
+    pinner = HostPinner(rec.register, rec.unregister)
+    first = M(-1, 8192)
+    gone = weakref.ref(first)
+    pinner.add_buffer(memoryview(first)[:4096])
+    del first
+    gc.collect()
+    assert pinner.wait_idle(10)
+    assert gone() is not None, "the registered mapping was let go (and unmapped)"
+    second = M(-1, 8192)
+    pinner.add_buffer(memoryview(second)[:4096])
+    assert pinner.wait_idle(10)
+    gc.collect()
+    assert gone() is None, "the retired mapping is still held"
+    pinner.close()
+
+
+def test_a_new_mapping_at_the_old_ones_address_is_registered_after_the_unregister(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The kernel may place the new segment where the old one was: it is registered (not
+    taken for known), and only once the old registration is undone (registering a range
+    twice fails)."""
+    log = Log()
+    monkeypatch.setattr(pinning, "address_of", lambda owner: 1 << 40)
+    pinner = HostPinner(log.register, log.unregister, drain=log.drain)
+    old, new = M(-1, 4096), M(-1, 4096)
+    assert pinner.add_buffer(memoryview(old))
+    assert pinner.add_buffer(memoryview(new))
+    assert pinner.wait_idle(10)
+    base = 1 << 40
+    assert log.calls in (
+        [("register", base), ("drain", 0), ("unregister", base), ("register", base)],
+        [("drain", 0), ("register", base)],  # the old one was retired before its turn
+    )
+    assert pinner.is_pinned(base, 4096)
+    pinner.close()

@@ -48,7 +48,7 @@ from lmcache_svc_vllm.layout import KVPages, UnsupportedLayout, layer_sort_key
 from lmcache_svc_vllm.link import Acquired, Reservation, ServerLink
 from lmcache_svc_vllm.metadata import LoadPlan, SavePlan, StepPlan
 from lmcache_svc_vllm.mover import ChunkLoad, ChunkSave, LayerEvents, PageMover
-from lmcache_svc_vllm.pinning import HostPinner, cuda_host_registrar
+from lmcache_svc_vllm.pinning import HostPinner, cuda_drain, cuda_host_registrar
 from lmcache_svc_vllm.prefetch import Prefetches
 from lmcache_svc_vllm.save_tokens import describe_saves
 from lmcache_svc_vllm.stats import StatsRecorder
@@ -152,7 +152,7 @@ class WorkerSide:
                 target=self._touch_when_idle, name="lmcache-svc-touch", daemon=True
             ).start()
         if is_cuda:
-            self._pinner = HostPinner(*cuda_host_registrar())
+            self._pinner = HostPinner(*cuda_host_registrar(), drain=cuda_drain(pages.device))
         self._in_background(self.link.warm_up)
         if self._prefetches is not None and not self._in_place:  # reads in place need none
             self._prefetches.attach(self.namespace.namespace_id, self.link)
