@@ -381,13 +381,17 @@ def _one_copy_rates(
 
 
 def _bench_hbm(pages: KVPages, ids: list[list[int]], repeats: int) -> None:
+    """An HBM hit into scattered KV blocks: straight from the pool (one scatter per chunk,
+    the default on a device) and through the load path's scratch, next to a plain device
+    copy and one plain scatter (``index_copy_`` of 8-byte words) of the same bytes; the
+    direct load's bytes are checked."""
     g = pages.geometry
     pool = DevicePool.allocate(len(ids) * g.chunk_bytes, 0)
     tier = HbmTier(pool, slab_bytes=g.chunk_bytes)
-    chunk = bytes(g.chunk_bytes)
+    pattern = np.random.default_rng(0).integers(0, 256, g.chunk_bytes, dtype=np.uint8)
     keys = [ChunkKey(i.to_bytes(48, "little")) for i in range(len(ids))]
-    for key in keys:
-        assert tier.put(key, chunk)
+    for i, key in enumerate(keys):  # every chunk and page different
+        assert tier.put(key, np.roll(pattern, 4099 * i).tobytes())
     # the pool's own tensor: the same device memory an engine maps through the IPC handle
     # (CUDA cannot open an IPC handle in the process that exported it; check_hbm_ipc does
     # that in a second process)
@@ -397,15 +401,31 @@ def _bench_hbm(pages: KVPages, ids: list[list[int]], repeats: int) -> None:
         ChunkLoad(v.view(g.num_layers, g.blocks_per_chunk, g.page_bytes), 0, b)
         for v, b in zip(views, ids)
     ]
-    mover = PageMover(pages, CudaCopyStream("cuda"))
     nbytes = len(ids) * g.chunk_bytes
-    hbm = _rate(nbytes, lambda: mover.load(loads).synchronize(), repeats)
+    rates = {}
+    apart = loads[::-1]  # each chunk's slot before the last one's: a scatter per chunk
+    for what, direct, order in (("run", True, loads), ("apart", True, apart), ("", False, loads)):
+        mover = PageMover(pages, CudaCopyStream("cuda"), direct=direct)
+        rates[what] = _rate(nbytes, lambda: mover.load(order).synchronize(), repeats)  # noqa: B023
+        for c in loads:
+            got = torch.stack([layer[c.block_ids] for layer in pages.layers])
+            assert torch.equal(got, c.src), "an HBM hit's block differs from its chunk"
+            for layer in pages.layers:  # so the next variant's check sees its own bytes
+                layer[c.block_ids] = 0
     a = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
     b = torch.empty_like(a)
     plain = _rate(nbytes, lambda: b.copy_(a), repeats)
+    words = a.view(torch.int64).view(-1, g.page_bytes // 8)
+    into = torch.empty(2 * words.shape[0], words.shape[1], dtype=torch.int64, device="cuda")
+    rows = torch.randperm(into.shape[0], device="cuda")[: words.shape[0]]
+    scatter = _rate(nbytes, lambda: into.index_copy_(0, rows, words), repeats)
     print(
-        f"HBM tier hit (device to device into KV blocks): {hbm:.0f} GB/s vs plain device "
-        f"copy {plain:.0f} GB/s = {100 * hbm / plain:.0f}%"
+        f"HBM tier hit (device to device into KV blocks) vs plain device copy {plain:.0f} "
+        f"GB/s: straight from the pool, chunks one after another there (one scatter) "
+        f"{rates['run']:.0f} GB/s = {100 * rates['run'] / plain:.0f}%, chunks apart (a "
+        f"scatter per chunk) {rates['apart']:.0f} GB/s = {100 * rates['apart'] / plain:.0f}%, "
+        f"through scratch {rates['']:.0f} GB/s = {100 * rates[''] / plain:.0f}%; one plain "
+        f"scatter of the same pages {scatter:.0f} GB/s"
     )
     tier.close()
 

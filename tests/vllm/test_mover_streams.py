@@ -171,3 +171,43 @@ def test_layers_in_one_buffer_are_moved_a_group_at_a_time() -> None:
     got, want = saved(0, separate, stack_layers=False)  # a layer at a time, saved
     assert got == want
     assert stacked.violations == [] and separate.violations == []
+
+
+@pytest.mark.parametrize("adjacent", [True, False], ids=["adjacent", "apart"])
+@pytest.mark.parametrize("seed", range(3))
+def test_chunks_on_the_kv_device_are_scattered_straight_from_their_bytes(
+    seed: int, adjacent: bool
+) -> None:
+    """``direct``: chunks whose bytes are tensors on the KV's device (the HBM tier's pool)
+    load by one scatter per chunk, or per run of chunks one after another in the pool, all
+    layers, on the copy stream: no scratch, no copy; the layers' events cover it (the
+    forward pass may use every layer after its wait)."""
+    rng = random.Random(seed)
+    pages, _ = make_pages(seed)
+    chunks, _ = make_pages(seed + 1)
+    bpc, n = BLOCKS_PER_CHUNK, pages.geometry.chunk_bytes
+    pool = torch.empty(NUM_CHUNKS * n, dtype=torch.uint8)  # a device pool, here on the CPU
+    want = KVPages([layer.clone() for layer in pages.layers], bpc)
+    to = rng.sample(range(SHAPE.num_blocks), bpc * NUM_CHUNKS)
+    loads = []
+    for i in range(NUM_CHUNKS):
+        slot = i if adjacent else NUM_CHUNKS - 1 - i
+        src = pool[slot * n : (slot + 1) * n].view(SHAPE.num_layers, bpc, -1)
+        chunks.copy_chunk_out(range(i * bpc, (i + 1) * bpc), src)
+        ids = to[i * bpc : (i + 1) * bpc]
+        loads.append(ChunkLoad(src, 0, ids))
+        want.copy_chunk_in(src, 0, ids)
+    stream = RecordingStream()
+    mover = PageMover(pages, stream, gather="index", direct=True)
+    events = mover.load(loads)
+    for i, kv in enumerate(pages.layers):
+        events.wait_on_device(i)
+        stream.use_layer(kv)
+        assert torch.equal(kv, want.layers[i])
+    assert stream.violations == [], stream.log
+    scatters = 1 if adjacent else NUM_CHUNKS
+    assert [(op.name, op.stream) for op in stream.ops] == [("index_copy_", 0)] * scatters
+    # Not direct: through scratch, a copy per chunk and group (and the slots' bytes alike).
+    stream = RecordingStream()
+    PageMover(pages, stream, gather="index", direct=False).load(loads).synchronize()
+    assert {op.name for op in stream.ops} == {"copy_", "index_copy_"}
