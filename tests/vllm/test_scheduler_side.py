@@ -312,3 +312,39 @@ def test_a_lookup_the_index_answers_needs_no_thread(server: ServerProc) -> None:
     scheduler.link.lookup = lambda hashes: calls.append(hashes)  # type: ignore[method-assign]
     assert scheduler.get_num_new_matched_tokens(request("local", prompt), 0) == (2 * CHUNK, False)
     assert calls == []
+
+
+def test_a_prompt_vllm_holds_up_to_the_cap_is_hashed_only_for_its_saves(
+    server: ServerProc, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM's own prefix cache covers the prompt up to the cap: nothing can load, so the
+    prompt is not hashed or looked up on its first token's path. Its first save plan (a
+    step later) hashes it, and the chunks the server's index holds are not saved again."""
+    scheduler, stats = make_scheduler(server.socket)
+    prompt = tokens(43, 2 * CHUNK + 10)
+    store_prefix(server, prompt, 1)  # the server holds chunk 0
+    hashes = tuple(chunk_hashes(NAMESPACE, prompt))
+    wait_until(lambda: scheduler.link.lookup_local(hashes[:1]), 5, "the index mapped")
+    hashed = count_calls(monkeypatch, scheduler, "_hash")
+    req = request("covered", prompt)
+    assert answer(scheduler, req, 2 * CHUNK) == (0, False)
+    assert hashed == [] and not (stats.take() or {}).get("lookups")
+    blocks = {"covered": list(range(30, 35))}
+    plan = scheduler.build_step_plan(_step({}, {"covered": (len(prompt), 1)}, blocks))
+    (save,) = plan.saves
+    assert save.chunk_hashes == (hashes[1:2],) and save.block_ids == (32, 33)
+    assert len(hashed) == 1
+    assert (
+        scheduler.build_step_plan(_step({}, {"covered": (len(prompt) + 1, 1)}, blocks)).saves == []
+    )
+
+
+def test_a_prompt_vllm_no_longer_holds_is_looked_up_when_asked_again(server: ServerProc) -> None:
+    """vLLM asks again with fewer tokens of its own (its blocks were freed while the
+    request waited): then the server is asked, and its hit counts."""
+    scheduler, _ = make_scheduler(server.socket)
+    prompt = tokens(44, 2 * CHUNK + 10)
+    store_prefix(server, prompt, 2)
+    req = request("evicted", prompt)
+    assert answer(scheduler, req, 2 * CHUNK) == (0, False)
+    assert answer(scheduler, req, BLOCK) == (2 * CHUNK - BLOCK, False)

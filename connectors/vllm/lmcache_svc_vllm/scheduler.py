@@ -3,11 +3,13 @@
 Per request: hash the prompt's full chunks (once, for every tensor-parallel rank), ask the
 server in one call how many leading chunks it holds, answer vLLM with the chunk-aligned
 hit beyond vLLM's own prefix cache (capped so at least one prompt token is computed), and
-turn vLLM's block allocation into a ``LoadPlan``. Each step, the chunks that earlier steps
-completed become a ``SavePlan``: a chunk is saved one step after it was computed, so a
-request's first token never waits for its own save, and a request that finished first keeps
-its blocks until the worker has copied them. Chunks the server already holds are not saved
-again.
+turn vLLM's block allocation into a ``LoadPlan``. A request whose prompt vLLM's own prefix
+cache already covers up to that cap can load nothing: it is not looked up, and its chunks
+are hashed when its first save is planned, a step after its first token. Each step, the
+chunks that earlier steps completed become a ``SavePlan``: a chunk is saved one step after
+it was computed, so a request's first token never waits for its own save, and a request
+that finished first keeps its blocks until the worker has copied them. Chunks the server
+already holds are not saved again.
 
 Runs inside vLLM's scheduler loop, so nothing here may block for long or raise. The prompt
 is hashed on the scheduler's thread, and answered there when the server's shared lookup
@@ -59,6 +61,7 @@ class RequestState:
 
     num_prompt_tokens: int
     token_ids: list[int] = field(default_factory=list)  # the prompt's (for KV events)
+    asked: bool = False  # hashed and looked up (not while vLLM's own hit covers the cap)
     pending: Future[LookupAnswer] | None = None
     started: float = 0.0
     hashes: Hashes = ((),)
@@ -115,17 +118,18 @@ class SchedulerSide:
     ) -> tuple[int | None, bool]:
         state = self._requests.get(request.request_id)
         if state is None:
-            state = self._start_lookup(request)
+            state = self._new_state(request)
             if state is None:
                 return 0, False
             self._requests[request.request_id] = state
+        cap = self._cap(state)
+        if not state.asked and num_computed_tokens < cap:
+            self._start_lookup(state)
         if not self._resolve(state):
             return None, False  # vLLM asks again next step
         if not self.load_enabled:
             return 0, False
-        chunk = self.chunk_size
-        cap = (state.num_prompt_tokens - 1) // chunk * chunk
-        hit_tokens = min(state.num_hit_chunks * chunk, cap)
+        hit_tokens = min(state.num_hit_chunks * self.chunk_size, cap)
         num_external = hit_tokens - num_computed_tokens
         if num_external <= 0:
             return 0, False
@@ -133,17 +137,26 @@ class SchedulerSide:
         state.load_async = self._use_async(num_external)
         return num_external, state.load_async
 
-    def _start_lookup(self, request: Any) -> RequestState | None:
-        """Hash the prompt and answer from the server's lookup index right here when it
-        can tell (no round trip: cheaper than waiting for another thread); otherwise the
-        server is asked on the lookup thread."""
+    def _new_state(self, request: Any) -> RequestState | None:
+        """A request's state, or None when tokens alone do not determine its KV."""
         token_ids = _cacheable_prompt(request)
         if token_ids is None:
             return None
-        state = RequestState(len(token_ids), token_ids, started=time.monotonic())
-        if len(token_ids) < self.chunk_size:
-            return state
-        hashes = self._hash(token_ids)
+        return RequestState(len(token_ids), token_ids)
+
+    def _cap(self, state: RequestState) -> int:
+        """The most tokens a hit may cover: whole chunks, at least one token left to compute."""
+        chunk = self.chunk_size
+        return (state.num_prompt_tokens - 1) // chunk * chunk
+
+    def _start_lookup(self, state: RequestState) -> None:
+        """Hash the prompt and answer from the server's lookup index right here when it
+        can tell (no round trip: cheaper than waiting for another thread); otherwise the
+        server is asked on the lookup thread."""
+        state.asked, state.started = True, time.monotonic()
+        if state.num_prompt_tokens < self.chunk_size:
+            return
+        hashes = self._hash(state.token_ids)
         start = time.perf_counter()
         local = self.link.lookup_local(hashes[0])
         if local is not None:
@@ -151,7 +164,17 @@ class SchedulerSide:
             self._apply(state, LookupAnswer(hashes, local, time.perf_counter() - start))
         else:
             state.pending = self._lookups.submit(self.stats.cpu_timed, self._lookup, hashes)
-        return state
+
+    def _hash_for_saves(self, state: RequestState) -> None:
+        """A request that was not looked up (vLLM's own hit covered the cap): its chunks'
+        hashes for its saves, and, where the server's lookup index can tell, the leading
+        chunks it holds already, which are not saved again (without the index the server
+        answers "already stored" for them)."""
+        state.asked = True
+        state.hashes = self._hash(state.token_ids)
+        local = self.link.lookup_local(state.hashes[0])
+        if local is not None:
+            state.num_saved_chunks = local.num_hit_chunks
 
     def _hash(self, token_ids: list[int]) -> Hashes:
         """The prompt's full chunks' hashes, for every tensor-parallel rank."""
@@ -295,6 +318,8 @@ class SchedulerSide:
         if not self.save_enabled:
             return None
         num_full = min(num_computed, state.num_prompt_tokens) // self.chunk_size
+        if num_full > state.num_saved_chunks and not state.asked:
+            self._hash_for_saves(state)
         num_full = min(num_full, len(state.hashes[0]))  # no hashes if the lookup was lost
         start = state.num_saved_chunks
         if num_full <= start:
