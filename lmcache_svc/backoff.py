@@ -3,6 +3,7 @@
 Shared by the server's circuit breaker (``cache.breaker``) and the vLLM plugin's link to the
 server (``lmcache_svc_vllm.link``). The first failure after a success waits ``base_s``; each
 further failure doubles the wait, up to ``max_s``; a success starts over from ``base_s``.
+The owner may end a wait early (``end_wait``) when it learns the other side changed.
 
 Not thread-safe: the owner serialises its calls (the breaker under its lock) or tolerates
 the outcome of a race (the plugin: two failures at once may double the wait once or twice).
@@ -59,6 +60,12 @@ class Backoff:
         """No try for a full ``delay_s`` from now, the delay unchanged: a late failure of a
         try that already counted as failed (a slow call that tripped the breaker fails)."""
         self._retry_at = max(self._retry_at, self._clock() + self._delay_s)
+
+    def end_wait(self, within_s: float = 0.0) -> None:
+        """End a wait in progress ``within_s`` from now at the latest (at once by default):
+        the owner learnt that a try may succeed sooner. The delay is kept, so a failure of
+        that try doubles it (still the same outage)."""
+        self._retry_at = min(self._retry_at, self._clock() + within_s)
 
     def succeeded(self) -> None:
         """A success: the next failure waits ``base_s`` again (a wait in progress stays)."""

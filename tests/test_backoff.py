@@ -70,3 +70,16 @@ def test_a_zero_base_never_waits() -> None:
 def test_bad_bounds_are_refused(base_s: float, max_s: float) -> None:
     with pytest.raises(ValueError, match=r"0 <= base .* <= max"):
         Backoff(base_s, max_s)
+
+
+def test_end_wait_lets_the_owner_try_now_and_keeps_the_delay() -> None:
+    backoff, clock = make()
+    backoff.failed()
+    assert backoff.failed() == 2.0
+    clock.now += 0.5
+    backoff.end_wait()
+    assert not backoff.waiting() and backoff.retry_at == 100.5 and backoff.delay_s == 2.0
+    assert backoff.failed() == 4.0  # still the same outage: the next failure doubles
+    clock.now += 10
+    backoff.end_wait()  # no wait in progress: nothing moves
+    assert backoff.retry_at == 104.5

@@ -2,22 +2,32 @@
 
 A down server must cost the engine one failed try per back-off period, the period doubling
 while the outage lasts; a try that never reached the server must not count as the server
-being back (which would reset the back-off and log "reachable again" once per retry).
+being back (which would reset the back-off and log "reachable again" once per retry). A
+server restarted on the same Unix socket ends the back-off early: one try per new socket file.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import shutil
 import signal
+import socket
+import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Literal
 
 import numpy as np
 import pytest
 from lmcache_svc_vllm.config import ConnectorConfig, Tuning
-from lmcache_svc_vllm.link import Reservation, ServerLink
+from lmcache_svc_vllm.link import (
+    RECONNECT_GRACE_S,
+    SOCKET_CHECK_INTERVAL_S,
+    Reservation,
+    ServerLink,
+)
 
 from lmcache_svc.client import CacheClient
 from lmcache_svc.client.events import ChunkTokens
@@ -176,3 +186,129 @@ def test_inline_stores_carry_their_tokens_to_the_events(serve, events) -> None: 
         check_announced(sub, hashes, tokens)
     finally:
         link.close()
+
+
+LINK_LOGGER = "vllm.lmcache_svc_vllm.link"
+
+
+def test_a_restarted_server_ends_the_back_off_early(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A server restarted on the same socket path binds a new socket file: the link tries it
+    RECONNECT_GRACE_S after it sees the file, not after its back-off (600 s here: without
+    the early try every lookup below would be a miss until the wait gave up)."""
+    server = start_server(tmp_path)
+    config = ConnectorConfig(
+        url=server.socket, lookup_timeout_ms=5000, retry_interval_s=600, local_lookup=False
+    )
+    link = ServerLink(config, NAMESPACE, "restart-test")
+    restarted = None
+    try:
+        wait_until(lambda: link.lookup(HASHES) is not None, 20, "a lookup on the first server")
+        server.kill()  # SIGKILL: the socket file stays behind
+        assert link.lookup(HASHES) is None and link.is_down
+        caplog.set_level(logging.INFO, logger=LINK_LOGGER)
+        restarted = start_server(tmp_path, socket_path=server.socket)
+        wait_until(lambda: link.lookup(HASHES) is not None, 20, "a lookup on the new server")
+        assert not link.is_down
+        replaced = [r for r in caplog.records if "was replaced" in r.getMessage()]
+        assert len(replaced) == 1 and replaced[0].levelno == logging.INFO, caplog.records
+    finally:
+        link.close()
+        if restarted is not None:
+            restarted.cleanup()
+        server.cleanup()
+
+
+def test_the_back_off_lasts_while_the_socket_file_is_the_same(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A dead server's socket file left behind, then removed: no new file, so the link keeps
+    waiting and asks no server, however often it is called."""
+    server = start_server(tmp_path)
+    config = ConnectorConfig(url=server.socket, retry_interval_s=600, local_lookup=False)
+    link = ServerLink(config, NAMESPACE, "same-socket-test")
+    try:
+        wait_until(lambda: link.lookup(HASHES) is not None, 20, "a lookup on the server")
+        server.kill()
+        assert link.lookup(HASHES) is None
+        tries = count_calls(monkeypatch, link._client, "lookup")
+        for left_behind in (True, False):
+            if not left_behind:
+                Path(server.socket).unlink()
+            deadline = time.monotonic() + 3 * SOCKET_CHECK_INTERVAL_S
+            while time.monotonic() < deadline:
+                assert link.lookup(HASHES) is None and link.is_down, left_behind
+                time.sleep(0.01)
+        assert tries == []
+    finally:
+        link.close()
+        server.cleanup()
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def socket_dir() -> Iterator[Path]:
+    """A short directory for socket files (their paths are limited to 108 bytes)."""
+    path = Path(tempfile.mkdtemp(prefix="lmc-", dir="/tmp"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def _refusing_socket(path: Path) -> socket.socket:
+    """A socket file nobody listens on (connecting is refused); bound at a side name and
+    renamed onto ``path``, so the file it replaces stays another inode while open."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    side = path.with_suffix(".new")
+    sock.bind(str(side))
+    os.replace(side, path)
+    return sock
+
+
+def test_a_new_socket_file_gets_one_try_then_the_back_off_doubles(
+    socket_dir: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Missing at the failure, then there: one try, RECONNECT_GRACE_S after the link saw
+    the file (it looks once per SOCKET_CHECK_INTERVAL_S); that try is refused, so the
+    back-off doubles and this file gets no other early try. Another new file: one more."""
+    path = socket_dir / "grpc.sock"
+    clock = FakeClock()
+    config = ConnectorConfig(url=str(path), retry_interval_s=5, local_lookup=False)
+    link = ServerLink(config, NAMESPACE, "watch-test", clock=clock)
+    tries = count_calls(monkeypatch, link._client, "register_namespace")
+    caplog.set_level(logging.INFO, logger=LINK_LOGGER)
+    sockets: list[socket.socket] = []
+    grace_s = RECONNECT_GRACE_S
+    try:
+
+        def lookup_after(elapsed_s: float) -> int:
+            clock.now += elapsed_s
+            assert link.lookup(HASHES) is None
+            return len(tries)
+
+        assert lookup_after(0) == 1 and link.is_down  # no file: refused, wait 5 s
+        assert lookup_after(0.3) == 1
+        sockets.append(_refusing_socket(path))
+        assert lookup_after(0.1) == 1  # looked 0.1 s ago: not yet
+        assert lookup_after(0.2) == 1  # seen: the wait ends in grace_s
+        assert lookup_after(grace_s - 0.01) == 1
+        assert lookup_after(0.02) == 2  # tried, refused: wait 10 s
+        assert [lookup_after(0.3) for _ in range(4)] == [2, 2, 2, 2]
+        sockets.append(_refusing_socket(path))
+        assert lookup_after(0.3) == 2  # another new file
+        assert lookup_after(grace_s + 0.01) == 3  # refused: wait 20 s
+        assert lookup_after(20 - 0.01) == 3
+        assert lookup_after(0.02) == 4  # the back-off's own end
+        replaced = [r for r in caplog.records if "was replaced" in r.getMessage()]
+        assert len(replaced) == 2
+    finally:
+        link.close()
+        for sock in sockets:
+            sock.close()

@@ -4,8 +4,13 @@ Every call goes through ``ServerLink._guarded``: a failed or slow call is logged
 outage and answered with ``None`` (a miss, "nothing stored"), and after a failure the server
 is not asked at all for ``retry_interval_s``, doubling while it stays down (up to
 ``MAX_RETRY_INTERVAL_S``, or ``retry_interval_s`` if larger; a ``backoff.Backoff``) -- so a
-dead or hung server costs vLLM one timeout now and then, not one per request. The client
-underneath reconnects by itself and re-registers the namespace after a server restart.
+dead or hung server costs vLLM one timeout now and then, not one per request. On a Unix
+socket the wait ends early once the socket file is another one than at the failure (a
+restarted server binds a new file; ``_SocketWatch``, an ``os.stat`` at most every
+``SOCKET_CHECK_INTERVAL_S`` while waiting): ``RECONNECT_GRACE_S`` later, the time the
+client's channel takes to reconnect by itself, the server is tried once per new file, and
+if that fails the back-off goes on doubling. The client underneath reconnects by itself and
+re-registers the namespace after a server restart.
 
 Bulk bytes take the shared segment when the server's segment is mapped here; otherwise
 (another host, or ``use_shm: false``) they are streamed inline. ``reserve``/``publish``
@@ -16,6 +21,7 @@ load's chunks from the segment without a lease when the server's lookup index lo
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -27,6 +33,7 @@ from lmcache_svc.client import CacheClient, LoadLease, LookupResult
 from lmcache_svc.client.events import ChunkTokens, EventsSource
 from lmcache_svc.client.in_place import InPlaceRead
 from lmcache_svc.client.store_pool import PooledSlot, StorePool
+from lmcache_svc.client.transport import RECONNECT_OPTIONS, grpc_target
 from lmcache_svc.errors import LMCacheSvcError, ServerUnavailable
 from lmcache_svc.keys import Namespace, NamespaceId
 from lmcache_svc.results import Placement
@@ -35,6 +42,12 @@ from lmcache_svc_vllm.config import ConnectorConfig
 logger = logging.getLogger(f"vllm.{__name__}")
 T = TypeVar("T")
 MAX_RETRY_INTERVAL_S = 30.0
+SOCKET_CHECK_INTERVAL_S = 0.25
+# While the server is down the client's gRPC channel retries its connection every
+# max_reconnect_backoff (jittered by up to 20%) and fails calls at once in between, with the
+# old error: a try as soon as a new socket file is seen was refused that way (tests). So
+# the try waits for the channel's next attempt, and a little longer for it to connect.
+RECONNECT_GRACE_S = 1.5 * dict(RECONNECT_OPTIONS)["grpc.max_reconnect_backoff_ms"] / 1000
 
 
 @dataclass(slots=True)
@@ -59,11 +72,20 @@ class Acquired:
 class ServerLink:
     """One namespace's view of the server, shared by the threads of one connector half."""
 
-    def __init__(self, config: ConnectorConfig, namespace: Namespace, client_name: str) -> None:
+    def __init__(
+        self,
+        config: ConnectorConfig,
+        namespace: Namespace,
+        client_name: str,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        """``clock``: monotonic seconds for the back-off and the socket checks (tests)."""
         self.config = config
         self.namespace = namespace
+        address = config.url or _default_address()
         self._client = CacheClient(
-            config.url or _default_address(),
+            address,
             timeout_s=config.rpc_timeout_ms / 1000,
             client_name=client_name,
             use_shm=config.use_shm,
@@ -72,7 +94,9 @@ class ServerLink:
         )
         self._namespace_id: NamespaceId | None = None
         base_s = config.retry_interval_s
-        self._backoff = Backoff(base_s, max(base_s, MAX_RETRY_INTERVAL_S))
+        self._backoff = Backoff(base_s, max(base_s, MAX_RETRY_INTERVAL_S), clock=clock)
+        path = _socket_path(address)
+        self._watch = None if path is None else _SocketWatch(path, clock=clock)
         self._outage_logged = False
         self._shm_mapped = False  # the segment was mapped here once: same host, use it
         self._warned: dict[str, float] = {}
@@ -86,7 +110,7 @@ class ServerLink:
     ) -> T | None:
         """``proves_up=False``: a call that can succeed without reaching the server (it
         neither ends an outage nor resets the back-off)."""
-        if self._backoff.waiting():
+        if self._waiting():
             return None
         try:
             result = call(self._ensure_registered())
@@ -122,7 +146,26 @@ class ServerLink:
                 self._namespace_id = self._client.register_namespace(self.namespace)
             return self._namespace_id
 
+    def _waiting(self) -> bool:
+        """Whether the back-off lasts. It ends early, ``RECONNECT_GRACE_S`` from now, when
+        the server's socket file was replaced since the failure (a restarted server): one
+        try, and a failure records the new file and the back-off goes on doubling."""
+        if not self._backoff.waiting():
+            return False
+        if self._watch is None or not self._watch.replaced():
+            return True
+        self._backoff.end_wait(within_s=RECONNECT_GRACE_S)
+        logger.info(
+            "lmcache-svc server socket %s was replaced (a restarted server?): next try "
+            "within %.1f s, not at the end of the back-off",
+            self._watch.path,
+            RECONNECT_GRACE_S,
+        )
+        return self._backoff.waiting()
+
     def _mark_down(self, what: str, error: Exception) -> None:
+        if self._watch is not None:
+            self._watch.record()
         wait_s = self._backoff.failed()
         if not self._outage_logged:
             logger.warning(
@@ -136,7 +179,8 @@ class ServerLink:
 
     @property
     def is_down(self) -> bool:
-        return self._backoff.waiting()
+        """Whether the link waits out a back-off (the server is not asked)."""
+        return self._waiting()
 
     def connect(self) -> None:
         """Register the namespace now (at start-up), so the first lookup is one call; with
@@ -346,6 +390,57 @@ class ServerLink:
             self._client.close()
         except Exception:  # shutting down: nothing useful to do with it
             logger.debug("closing the lmcache-svc client failed", exc_info=True)
+
+
+class _SocketWatch:
+    """Whether the server's Unix socket file was replaced since the link last looked.
+
+    A file is told by its device, inode and change time: on ext4 a restarted server's file
+    got the inode number the old one freed, every time, but not its change time (set when
+    the file is bound). It looks at most every ``SOCKET_CHECK_INTERVAL_S`` (a dead server
+    costs at most one ``os.stat`` per call); a file it cannot stat counts as missing, and a
+    missing file is never "replaced". Not locked, like the back-off: threads that race here
+    cost at most one more early try."""
+
+    __slots__ = ("path", "_clock", "_seen", "_checked_at")
+
+    def __init__(self, path: str, *, clock: Callable[[], float]) -> None:
+        self.path = path
+        self._clock = clock
+        self._seen: tuple[int, int, int] | None = None
+        self._checked_at = float("-inf")
+
+    def record(self) -> None:
+        """A call failed: the file there now (or none) is the one that failed."""
+        self._seen = self._identity()
+        self._checked_at = self._clock()
+
+    def replaced(self) -> bool:
+        """Whether a file other than the one last seen is there now. Each new file counts
+        once: from then on it is the one seen."""
+        now = self._clock()
+        if now - self._checked_at < SOCKET_CHECK_INTERVAL_S:
+            return False
+        self._checked_at = now
+        seen, self._seen = self._seen, self._identity()
+        return self._seen is not None and self._seen != seen
+
+    def _identity(self) -> tuple[int, int, int] | None:
+        try:
+            st = os.stat(self.path)
+        except OSError:
+            return None
+        return st.st_dev, st.st_ino, st.st_ctime_ns
+
+
+def _socket_path(address: str) -> str | None:
+    """The file of a Unix socket address (``/p.sock``, ``unix:/p.sock``, ``unix:///p.sock``);
+    None for ``unix-abstract:`` and ``host:port``, which have none."""
+    target = grpc_target(address)  # the client checked it already
+    if not target.startswith("unix:"):
+        return None
+    path = target.removeprefix("unix:")
+    return path.removeprefix("//") if path.startswith("///") else path
 
 
 def _leading(found: list[bytes | None]) -> list[bytes]:
