@@ -22,12 +22,8 @@ from typing import Literal
 import numpy as np
 import pytest
 from lmcache_svc_vllm.config import ConnectorConfig, Tuning
-from lmcache_svc_vllm.link import (
-    RECONNECT_GRACE_S,
-    SOCKET_CHECK_INTERVAL_S,
-    Reservation,
-    ServerLink,
-)
+from lmcache_svc_vllm.link import Reservation, ServerLink
+from lmcache_svc_vllm.socket_watch import RECONNECT_GRACE_S, SOCKET_CHECK_INTERVAL_S
 
 from lmcache_svc.client import CacheClient
 from lmcache_svc.client.events import ChunkTokens

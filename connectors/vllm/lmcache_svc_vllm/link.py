@@ -6,7 +6,7 @@ is not asked at all for ``retry_interval_s``, doubling while it stays down (up t
 ``MAX_RETRY_INTERVAL_S``, or ``retry_interval_s`` if larger; a ``backoff.Backoff``) -- so a
 dead or hung server costs vLLM one timeout now and then, not one per request. On a Unix
 socket the wait ends early once the socket file is another one than at the failure (a
-restarted server binds a new file; ``_SocketWatch``, an ``os.stat`` at most every
+restarted server binds a new file; ``socket_watch.py``, an ``os.stat`` at most every
 ``SOCKET_CHECK_INTERVAL_S`` while waiting): ``RECONNECT_GRACE_S`` later, the time the
 client's channel takes to reconnect by itself, the server is tried once per new file, and
 if that fails the back-off goes on doubling. The client underneath reconnects by itself and
@@ -21,7 +21,6 @@ load's chunks from the segment without a lease when the server's lookup index lo
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -33,21 +32,15 @@ from lmcache_svc.client import CacheClient, LoadLease, LookupResult
 from lmcache_svc.client.events import ChunkTokens, EventsSource
 from lmcache_svc.client.in_place import InPlaceRead
 from lmcache_svc.client.store_pool import PooledSlot, StorePool
-from lmcache_svc.client.transport import RECONNECT_OPTIONS, grpc_target
 from lmcache_svc.errors import LMCacheSvcError, ServerUnavailable
 from lmcache_svc.keys import Namespace, NamespaceId
 from lmcache_svc.results import Placement
 from lmcache_svc_vllm.config import ConnectorConfig
+from lmcache_svc_vllm.socket_watch import RECONNECT_GRACE_S, SocketWatch, socket_path
 
 logger = logging.getLogger(f"vllm.{__name__}")
 T = TypeVar("T")
 MAX_RETRY_INTERVAL_S = 30.0
-SOCKET_CHECK_INTERVAL_S = 0.25
-# While the server is down the client's gRPC channel retries its connection every
-# max_reconnect_backoff (jittered by up to 20%) and fails calls at once in between, with the
-# old error: a try as soon as a new socket file is seen was refused that way (tests). So
-# the try waits for the channel's next attempt, and a little longer for it to connect.
-RECONNECT_GRACE_S = 1.5 * dict(RECONNECT_OPTIONS)["grpc.max_reconnect_backoff_ms"] / 1000
 
 
 @dataclass(slots=True)
@@ -95,8 +88,8 @@ class ServerLink:
         self._namespace_id: NamespaceId | None = None
         base_s = config.retry_interval_s
         self._backoff = Backoff(base_s, max(base_s, MAX_RETRY_INTERVAL_S), clock=clock)
-        path = _socket_path(address)
-        self._watch = None if path is None else _SocketWatch(path, clock=clock)
+        path = socket_path(address)
+        self._watch = None if path is None else SocketWatch(path, clock=clock)
         self._outage_logged = False
         self._shm_mapped = False  # the segment was mapped here once: same host, use it
         self._warned: dict[str, float] = {}
@@ -390,57 +383,6 @@ class ServerLink:
             self._client.close()
         except Exception:  # shutting down: nothing useful to do with it
             logger.debug("closing the lmcache-svc client failed", exc_info=True)
-
-
-class _SocketWatch:
-    """Whether the server's Unix socket file was replaced since the link last looked.
-
-    A file is told by its device, inode and change time: on ext4 a restarted server's file
-    got the inode number the old one freed, every time, but not its change time (set when
-    the file is bound). It looks at most every ``SOCKET_CHECK_INTERVAL_S`` (a dead server
-    costs at most one ``os.stat`` per call); a file it cannot stat counts as missing, and a
-    missing file is never "replaced". Not locked, like the back-off: threads that race here
-    cost at most one more early try."""
-
-    __slots__ = ("path", "_clock", "_seen", "_checked_at")
-
-    def __init__(self, path: str, *, clock: Callable[[], float]) -> None:
-        self.path = path
-        self._clock = clock
-        self._seen: tuple[int, int, int] | None = None
-        self._checked_at = float("-inf")
-
-    def record(self) -> None:
-        """A call failed: the file there now (or none) is the one that failed."""
-        self._seen = self._identity()
-        self._checked_at = self._clock()
-
-    def replaced(self) -> bool:
-        """Whether a file other than the one last seen is there now. Each new file counts
-        once: from then on it is the one seen."""
-        now = self._clock()
-        if now - self._checked_at < SOCKET_CHECK_INTERVAL_S:
-            return False
-        self._checked_at = now
-        seen, self._seen = self._seen, self._identity()
-        return self._seen is not None and self._seen != seen
-
-    def _identity(self) -> tuple[int, int, int] | None:
-        try:
-            st = os.stat(self.path)
-        except OSError:
-            return None
-        return st.st_dev, st.st_ino, st.st_ctime_ns
-
-
-def _socket_path(address: str) -> str | None:
-    """The file of a Unix socket address (``/p.sock``, ``unix:/p.sock``, ``unix:///p.sock``);
-    None for ``unix-abstract:`` and ``host:port``, which have none."""
-    target = grpc_target(address)  # the client checked it already
-    if not target.startswith("unix:"):
-        return None
-    path = target.removeprefix("unix:")
-    return path.removeprefix("//") if path.startswith("///") else path
 
 
 def _leading(found: list[bytes | None]) -> list[bytes]:
