@@ -11,18 +11,21 @@ after), as the safetensors library itself requires. ``__metadata__`` (str -> str
 Parsing is bounded, since a header comes from a client or from a file on disk: the prefix's
 length is checked against ``MAX_HEADER_BYTES`` before anything is decoded; integers longer
 than ``MAX_INT_DIGITS`` digits, ``NaN``/``Infinity`` and floats that overflow are refused as
-the JSON is read (so the item metadata a server returns is always standard JSON); nesting
-past the interpreter's recursion limit is refused, not raised; a header may describe at most
-``MAX_TENSORS`` tensors. Every refusal is ``BadMemory`` naming the problem.
+the JSON is read (so the item metadata a server returns is always standard JSON); arrays
+and objects nested deeper than ``MAX_DEPTH`` are refused before the decoder sees them; a
+header may describe at most ``MAX_TENSORS`` tensors. Every refusal is ``BadMemory`` naming
+the problem.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import re
 import struct
 import uuid
 from dataclasses import dataclass
+from itertools import accumulate
 from typing import Any
 
 from lmcache_svc.errors import BadMemory, InvalidArgument
@@ -38,6 +41,11 @@ MAX_HEADER_BYTES = 1 << 20
 take about 120 bytes each (250 KiB), which leaves the item metadata about 750 KiB."""
 MAX_INT_DIGITS = 20
 """Longest integer in a header or in item metadata: any uint64 (offsets, shapes)."""
+MAX_DEPTH = 64
+"""Deepest nesting of arrays and objects in a header or in item metadata (a header nests
+3 deep). Checked before decoding: the decoder recursed up to the interpreter's limit on
+a hostile header, and a finalizer that the garbage collector ran down there failed with
+``RecursionError`` (an unraisable exception in a CI run)."""
 PREFIX_BYTES = 8
 
 DTYPE_BYTES: dict[str, int] = {
@@ -129,8 +137,21 @@ def _no_constant(name: str) -> Any:
     raise BadMemory(f"{name} is not standard JSON")
 
 
+_STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
+_NOT_BRACKET = re.compile(r"[^\[\]{}]+")
+
+
+def json_depth(text: str) -> int:
+    """How deep the arrays and objects of ``text`` nest (brackets in strings skipped), in
+    a few passes at C speed, without decoding it."""
+    brackets = _NOT_BRACKET.sub("", _STRING.sub("", text))
+    return max(accumulate(1 if c in "[{" else -1 for c in brackets), default=0)
+
+
 def bounded_json(text: str, *, what: str, expected: str = "JSON", **hooks: Any) -> Any:
     """``json.loads`` with the bounds of this module; ``BadMemory`` naming ``what``."""
+    if json_depth(text) > MAX_DEPTH:
+        raise BadMemory(f"{what} is nested too deeply (more than {MAX_DEPTH} levels)")
     try:
         return json.loads(
             text,

@@ -11,7 +11,13 @@ import numpy as np
 import pytest
 
 from lmcache_svc.errors import BadMemory, InvalidArgument
-from lmcache_svc.memory_blob import check_memory_id, parse_header, parse_memory
+from lmcache_svc.memory_blob import (
+    MAX_DEPTH,
+    check_memory_id,
+    json_depth,
+    parse_header,
+    parse_memory,
+)
 from tests.server.memories.blobs import (
     default_tensors,
     make_memory,
@@ -196,3 +202,16 @@ def test_item_metadata_must_be_standard_json(raw: str, fragment: str) -> None:
     with pytest.raises(BadMemory) as caught:
         parse_memory(safetensors_bytes(default_tensors(), meta_with(metadata=raw)))
     assert fragment in str(caught.value)
+
+
+def test_nesting_is_bounded_before_the_json_is_decoded() -> None:
+    """``MAX_DEPTH`` levels of item metadata are read; one more is refused without the
+    decoder (it recursed up to the interpreter's limit before); brackets inside strings,
+    escaped quotes included, do not count."""
+    at_limit = '{"x": ' + "[" * (MAX_DEPTH - 1) + "]" * (MAX_DEPTH - 1) + "}"
+    parse_memory(safetensors_bytes(default_tensors(), meta_with(metadata=at_limit)))
+    over = '{"x": ' + "[" * MAX_DEPTH + "]" * MAX_DEPTH + "}"
+    with pytest.raises(BadMemory, match=f"nested too deeply \\(more than {MAX_DEPTH} levels\\)"):
+        parse_memory(safetensors_bytes(default_tensors(), meta_with(metadata=over)))
+    assert json_depth('{"a": [1, {"b": "[[{\\"[["}]}') == 3
+    assert json_depth("7") == 0 and json_depth('"]]]"') == 0
