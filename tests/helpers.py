@@ -66,6 +66,16 @@ def make_chunk(seed: int | str, nbytes: int = CHUNK_BYTES) -> bytes:
     return (block * (nbytes // len(block) + 1))[:nbytes]
 
 
+class ManualClock:
+    """A monotonic clock the test moves by hand (``clock.now += seconds``)."""
+
+    def __init__(self, now: float = 100.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
 def wait_until(predicate: Callable[[], object], timeout_s: float, what: str) -> None:
     """Poll ``predicate`` until it is true; fail naming ``what`` if it never was in
     ``timeout_s`` (a bound on a hang, not a measurement: set it generously). The polls start

@@ -5,18 +5,11 @@ from __future__ import annotations
 import pytest
 
 from lmcache_svc.backoff import Backoff
+from tests.helpers import ManualClock
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-def make(base_s: float = 1.0, max_s: float = 4.0) -> tuple[Backoff, Clock]:
-    clock = Clock()
+def make(base_s: float = 1.0, max_s: float = 4.0) -> tuple[Backoff, ManualClock]:
+    clock = ManualClock()
     return Backoff(base_s, max_s, clock=clock), clock
 
 

@@ -5,18 +5,11 @@ from __future__ import annotations
 import pytest
 
 from lmcache_svc.cache.breaker import CircuitBreaker
+from tests.helpers import ManualClock
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-def make() -> tuple[CircuitBreaker, Clock]:
-    clock = Clock()
+def make() -> tuple[CircuitBreaker, ManualClock]:
+    clock = ManualClock()
     return CircuitBreaker(base_backoff_s=1, max_backoff_s=4, slow_call_s=0.5, clock=clock), clock
 
 

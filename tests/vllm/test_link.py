@@ -30,7 +30,7 @@ from lmcache_svc.client.events import ChunkTokens
 from lmcache_svc.keys import KVLayout, Namespace, chunk_hashes
 from lmcache_svc_bench.procs import start_server
 from tests.events.test_store_paths import check_announced, events, prompt  # noqa: F401
-from tests.helpers import count_calls, make_chunk, wait_until
+from tests.helpers import ManualClock, count_calls, make_chunk, wait_until
 from tests.server.inprocess import NS as INPROC_NS
 from tests.server.inprocess import serve  # noqa: F401 (a fixture)
 
@@ -242,14 +242,6 @@ def test_the_back_off_lasts_while_the_socket_file_is_the_same(
         server.cleanup()
 
 
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 @pytest.fixture
 def socket_dir() -> Iterator[Path]:
     """A short directory for socket files (their paths are limited to 108 bytes)."""
@@ -275,7 +267,7 @@ def test_a_new_socket_file_gets_one_try_then_the_back_off_doubles(
     the file (it looks once per SOCKET_CHECK_INTERVAL_S); that try is refused, so the
     back-off doubles and this file gets no other early try. Another new file: one more."""
     path = socket_dir / "grpc.sock"
-    clock = FakeClock()
+    clock = ManualClock(1000.0)
     config = ConnectorConfig(url=str(path), retry_interval_s=5, local_lookup=False)
     link = ServerLink(config, NAMESPACE, "watch-test", clock=clock)
     tries = count_calls(monkeypatch, link._client, "register_namespace")
