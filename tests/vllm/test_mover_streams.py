@@ -10,6 +10,7 @@ from __future__ import annotations
 import random
 from typing import Any
 
+import numpy as np
 import pytest
 
 pytest.importorskip("torch", reason="the layout code needs torch (the [torch] extra)")
@@ -211,3 +212,36 @@ def test_chunks_on_the_kv_device_are_scattered_straight_from_their_bytes(
     stream = RecordingStream()
     PageMover(pages, stream, gather="index", direct=False).load(loads).synchronize()
     assert {op.name for op in stream.ops} == {"copy_", "index_copy_"}
+
+
+def test_chunks_next_to_each_other_in_separate_buffers_are_scattered_one_by_one() -> None:
+    """Runs are told by address: chunks that lie one after another in memory but in
+    separate buffers (each its own storage) are not one run (a view of the first's buffer
+    cannot reach the next)."""
+    pages, _ = make_pages(7)
+    chunks, _ = make_pages(8)
+    bpc, n = BLOCKS_PER_CHUNK, pages.geometry.chunk_bytes
+    memory = np.zeros(NUM_CHUNKS * n, dtype=np.uint8)
+    buffers = [torch.from_numpy(memory[i * n : (i + 1) * n]) for i in range(NUM_CHUNKS)]
+    assert buffers[0].data_ptr() + n == buffers[1].data_ptr()  # next to each other
+    want = KVPages([layer.clone() for layer in pages.layers], bpc)
+    to = random.Random(7).sample(range(SHAPE.num_blocks), bpc * NUM_CHUNKS)
+    loads = []
+    for i, buffer in enumerate(buffers):
+        src = buffer.view(SHAPE.num_layers, bpc, -1)
+        chunks.copy_chunk_out(range(i * bpc, (i + 1) * bpc), src)
+        loads.append(ChunkLoad(src, 0, to[i * bpc : (i + 1) * bpc]))
+        want.copy_chunk_in(src, 0, loads[-1].block_ids)
+    stream = RecordingStream()
+    PageMover(pages, stream, gather="index", direct=True).load(loads).synchronize()
+    assert all(map(torch.equal, pages.layers, want.layers))
+    assert [op.name for op in stream.ops] == ["index_copy_"] * NUM_CHUNKS
+    # One buffer: one run, unless a chunk is not in rows of the KV's pages (then no
+    # scatter straight from the bytes at all).
+    pool = torch.from_numpy(memory)
+    srcs = [pool[i * n : (i + 1) * n].view(SHAPE.num_layers, bpc, -1) for i in range(3)]
+    mover = PageMover(pages, RecordingStream(), gather="index", direct=True)
+    runs = mover._direct_runs(srcs)  # noqa: SLF001
+    assert runs is not None and [(first, len(run)) for first, run in runs] == [(0, 3)]
+    srcs[1] = srcs[1].view(SHAPE.num_layers, bpc, 2, -1)
+    assert mover._direct_runs(srcs) is None  # noqa: SLF001

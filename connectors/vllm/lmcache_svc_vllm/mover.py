@@ -47,6 +47,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import chain
 from typing import Literal
 
 import numpy as np
@@ -219,29 +220,24 @@ class PageMover:
         srcs = [self._chunk_tensor(c.src) for c in chunks]
         layers = range(len(self.pages.layers))
         if self._groups_whole(chunks, max((c.first_block for c in chunks), default=0)):
-            if self._scatters_from(srcs):
-                return LayerEvents(self._load_direct(chunks, srcs))
+            runs = self._direct_runs(srcs)
+            if runs is not None:
+                return LayerEvents(self._load_direct(chunks, runs))
             return LayerEvents(self._load_grouped(layers, chunks, srcs))
         with self.stream.activate():
             gather = self._gather_ids(chunks)
             return LayerEvents([self._load_layer(i, chunks, srcs, gather) for i in layers])
 
-    def _scatters_from(self, srcs: Sequence[torch.Tensor]) -> bool:
-        """Whether ``_load_direct`` can take these chunks: on the KV's device, in words."""
+    def _direct_runs(self, srcs: Sequence[torch.Tensor]) -> list[tuple[int, torch.Tensor]] | None:
+        """For ``_load_direct``: the chunks' runs in words (``_runs_in_words``), or None
+        when a chunk is not on the KV's device, in words of the KV's rows."""
         stacked = self._stacked
-        return (
-            self._direct
-            and stacked is not None
-            and all(
-                s.device == self.pages.device
-                and s.is_contiguous()
-                and _words(s).dtype == stacked.words.dtype
-                for s in srcs
-            )
-        )
+        if not self._direct or stacked is None:
+            return None
+        return _runs_in_words(srcs, self.pages.device, stacked.words)
 
     def _load_direct(
-        self, chunks: Sequence[ChunkLoad], srcs: Sequence[torch.Tensor]
+        self, chunks: Sequence[ChunkLoad], runs: Sequence[tuple[int, torch.Tensor]]
     ) -> list[CopyEvent]:
         """Chunks on the KV's device already: one scatter per run of chunks that lie one
         after another in memory (else per chunk), all their layers, straight from their
@@ -252,7 +248,6 @@ class PageMover:
         and an H200; the host's time per scatter is what limits this path too."""
         assert self._stacked is not None
         layers = list(range(len(self.pages.layers)))
-        runs = _adjacent_runs([_words(s) for s in srcs])
         units = [_Unit(layers, range(first, first + len(run)), True) for first, run in runs]
         ids = self._unit_ids(chunks, units)
         with self.stream.activate():
@@ -398,7 +393,10 @@ class PageMover:
         layers in ``[chunks, layers, blocks]`` order (``_StackedLayers``), else the block
         ids of its chunks as ``[chunks, blocks]``. Made on the host (numpy), so a unit
         starts no kernel to make them."""
-        blocks = np.array([list(c.block_ids) for c in chunks], dtype=np.int64)
+        bpc = len(chunks[0].block_ids)  # whole chunks: as many blocks each
+        blocks = np.fromiter(
+            chain.from_iterable(c.block_ids for c in chunks), np.int64, len(chunks) * bpc
+        ).reshape(len(chunks), bpc)
         if self._stacked is None:
             parts = [blocks[u.batch.start : u.batch.stop] for u in units]
         else:
@@ -690,31 +688,55 @@ def _host_bytes(src: torch.Tensor | memoryview) -> np.ndarray:
     return np.frombuffer(src, dtype=np.uint8)
 
 
-def _adjacent_runs(chunks: Sequence[torch.Tensor]) -> list[tuple[int, torch.Tensor]]:
-    """(index of the first, ``[n, *chunk shape]`` over their memory) for each run of
-    contiguous chunks of one shape that lie one after another in one storage."""
+def _runs_in_words(
+    chunks: Sequence[torch.Tensor], device: torch.device, rows: torch.Tensor
+) -> list[tuple[int, torch.Tensor]] | None:
+    """(index of the first, ``[n, *chunk shape]`` in words over their memory) for each run
+    of chunks of one shape that lie one after another in one storage; None unless every
+    chunk is contiguous, on ``device``, in words (``_words``) of the type and width of
+    ``rows`` (the KV's pages as rows of words: ``_StackedLayers``). A chunk after
+    a run's first is told by its address alone (inside the first's storage, where the run
+    ends): the checks of every chunk as a tensor cost the host 6-9 us a chunk, 0.2-0.3 ms
+    of a 1 GiB hit of 32 chunks (tests/gpu/check.py's geometry), more than the addresses'
+    1-2 us."""
     runs: list[tuple[int, torch.Tensor]] = []
-    first = 0
-    for i in range(1, len(chunks) + 1):
-        if i < len(chunks) and _follows(chunks[i - 1], chunks[i]):
+    head: torch.Tensor | None = None  # the current run's first chunk
+    first = end = limit = 0  # its index; where the run ends, and the first's storage
+    for i, chunk in enumerate(chunks):
+        at = chunk.data_ptr()
+        if (
+            head is not None
+            and at == end
+            and end + chunk.nbytes <= limit
+            and chunk.shape == head.shape
+            and chunk.dtype == head.dtype
+            and chunk.is_contiguous()
+        ):
+            end += chunk.nbytes
             continue
-        head = chunks[first]
-        shape, strides = (i - first, *head.shape), (head.numel(), *head.stride())
-        runs.append((first, head.as_strided(shape, strides)))
-        first = i
+        if head is not None:
+            runs.append((first, _stacked_run(head, i - first)))
+        words = _words(chunk)
+        if (
+            chunk.device != device
+            or not chunk.is_contiguous()
+            or words.dtype != rows.dtype
+            or words.shape[-1] != rows.shape[-1]
+        ):
+            return None
+        storage = chunk.untyped_storage()
+        head, first, end = chunk, i, at + chunk.nbytes
+        limit = storage.data_ptr() + storage.nbytes()
+    if head is not None:
+        runs.append((first, _stacked_run(head, len(chunks) - first)))
     return runs
 
 
-def _follows(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """``b`` starts where ``a`` ends, in the same storage, both contiguous alike."""
-    return (
-        a.shape == b.shape
-        and a.dtype == b.dtype
-        and a.is_contiguous()
-        and b.is_contiguous()
-        and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
-        and b.storage_offset() == a.storage_offset() + a.numel()
-    )
+def _stacked_run(head: torch.Tensor, n: int) -> torch.Tensor:
+    """``[n, *head's shape]`` in words over ``n`` chunks that lie one after another from
+    ``head`` in its storage."""
+    words = _words(head)
+    return words.as_strided((n, *words.shape), (words.numel(), *words.stride()))
 
 
 def _words(pages: torch.Tensor) -> torch.Tensor:
