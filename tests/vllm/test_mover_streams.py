@@ -239,9 +239,9 @@ def test_chunks_next_to_each_other_in_separate_buffers_are_scattered_one_by_one(
     # One buffer: one run, unless a chunk is not in rows of the KV's pages (then no
     # scatter straight from the bytes at all).
     pool = torch.from_numpy(memory)
-    srcs = [pool[i * n : (i + 1) * n].view(SHAPE.num_layers, bpc, -1) for i in range(3)]
+    srcs = [pool[i * n : (i + 1) * n].view(SHAPE.num_layers, bpc, -1) for i in range(NUM_CHUNKS)]
     mover = PageMover(pages, RecordingStream(), gather="index", direct=True)
     runs = mover._direct_runs(srcs)  # noqa: SLF001
-    assert runs is not None and [(first, len(run)) for first, run in runs] == [(0, 3)]
+    assert runs is not None and [(first, len(run)) for first, run in runs] == [(0, NUM_CHUNKS)]
     srcs[1] = srcs[1].view(SHAPE.num_layers, bpc, 2, -1)
     assert mover._direct_runs(srcs) is None  # noqa: SLF001

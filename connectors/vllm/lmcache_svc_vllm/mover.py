@@ -701,6 +701,7 @@ def _runs_in_words(
     1-2 us."""
     runs: list[tuple[int, torch.Tensor]] = []
     head: torch.Tensor | None = None  # the current run's first chunk
+    head_words = rows  # the same in words (rows: a placeholder until the first chunk)
     first = end = limit = 0  # its index; where the run ends, and the first's storage
     for i, chunk in enumerate(chunks):
         at = chunk.data_ptr()
@@ -715,7 +716,7 @@ def _runs_in_words(
             end += chunk.nbytes
             continue
         if head is not None:
-            runs.append((first, _stacked_run(head, i - first)))
+            runs.append((first, _stacked_run(head_words, i - first)))
         words = _words(chunk)
         if (
             chunk.device != device
@@ -725,17 +726,16 @@ def _runs_in_words(
         ):
             return None
         storage = chunk.untyped_storage()
-        head, first, end = chunk, i, at + chunk.nbytes
+        head, head_words, first, end = chunk, words, i, at + chunk.nbytes
         limit = storage.data_ptr() + storage.nbytes()
     if head is not None:
-        runs.append((first, _stacked_run(head, len(chunks) - first)))
+        runs.append((first, _stacked_run(head_words, len(chunks) - first)))
     return runs
 
 
-def _stacked_run(head: torch.Tensor, n: int) -> torch.Tensor:
-    """``[n, *head's shape]`` in words over ``n`` chunks that lie one after another from
-    ``head`` in its storage."""
-    words = _words(head)
+def _stacked_run(words: torch.Tensor, n: int) -> torch.Tensor:
+    """``[n, *words' shape]`` over ``n`` chunks that lie one after another from the chunk
+    ``words`` views, in its storage."""
     return words.as_strided((n, *words.shape), (words.numel(), *words.stride()))
 
 
