@@ -1,9 +1,15 @@
 """A client's session with the server: the open ``OpenSession`` stream, the shared segment
-and the lookup-index tables its first event named, mapped here when on the same host."""
+and the lookup-index tables its first event named, mapped here when on the same host.
+
+The server sends one event and holds the stream open for the session's life, so the end
+of the stream is the end of the session. It is seen through the call's done callback (run
+by gRPC's channel thread), not by a thread of ours reading the stream: gRPC's blocking
+read wakes its thread every 100 ms (``grpc._common.MAXIMUM_WAIT_TIMEOUT``) to run Python,
+which made every idle client wake ten times a second for nothing (measured in a vLLM
+engine: 50 wakes and 5.8-6.6 ms of CPU in 5 s, per process)."""
 
 from __future__ import annotations
 
-import threading
 from typing import Any
 
 import grpc
@@ -22,7 +28,7 @@ class Session:
         self.indexes = open_index_segments(event.segments)  # lookups without a round trip
         self._stream = stream
         self.alive = True
-        threading.Thread(target=self._watch, name="lmcache-svc-session", daemon=True).start()
+        stream.add_done_callback(self._ended)  # at once if it has ended already
 
     @classmethod
     def open(
@@ -38,12 +44,7 @@ class Session:
             raise convert_rpc_error(e) from None
         return cls(stream, event)
 
-    def _watch(self) -> None:
-        try:
-            for _ in self._stream:
-                pass
-        except grpc.RpcError:
-            pass
+    def _ended(self, _call: Any) -> None:
         self.alive = False
 
     def close(self) -> None:
