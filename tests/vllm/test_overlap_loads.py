@@ -203,7 +203,7 @@ def test_a_small_load_or_overlap_off_copies_every_layer_before_the_forward(
     saved: list[torch.Tensor],
     fields: dict[str, object],
 ) -> None:
-    """Below ``tuning.overlap_load_min_bytes`` (1 MiB; this load is 128 KiB), or with
+    """Below ``tuning.overlap_load_min_bytes`` (4 MiB; this load is 128 KiB), or with
     ``overlap_loads`` off, ``start_load`` returns with every layer in place."""
     dst, layers = make_worker(server.socket, True, 38, **fields)
     dst.link.warm_up()

@@ -39,10 +39,11 @@ class Tuning:
     lookup_wait_ms: float = 5.0
     """How long the scheduler waits inline for a lookup's answer; past it, vLLM is told
     "not decided yet", runs its other requests, and asks again next step (0: never wait)."""
-    overlap_load_min_bytes: int = 1 << 20
+    overlap_load_min_bytes: int = 4 << 20
     """With ``overlap_loads``: a load of at least this many bytes copies beside the forward
-    pass (a smaller one copies before it: the hand-over to the copy thread costs a wake-up,
-    about what copying a fraction of 1 MiB takes)."""
+    pass; a smaller one copies before it. The copy thread shares the GIL and a core with
+    the engine: a 1 MiB load took 0.60-0.80 ms there against 0.29 ms in the caller, and
+    the first token's output phase 0.8-1.0 ms more (docs/benchmarks.md, 2026-11-28)."""
     store_pool_chunks: int = 0
     """Most shared-memory slots the worker keeps reserved ahead of its stores (it keeps
     twice as many as its largest store so far needed), so a store copies without waiting for a

@@ -70,9 +70,9 @@ costs the host its copies, a gather or scatter, events and stream switches to en
 took longer than the copy itself (docs/gpu.md). At most half of ``SCRATCH_BYTES``."""
 SCRATCH_BYTES = 256 << 20
 """The most device scratch a grouped copy holds at a time (its two buffers together)."""
-COPIER_MIN_BYTES = 1 << 20
-"""CPU loads of less than this copy in the caller even with a copier: a hand-over to the
-copy thread costs a wake-up, about what a fraction of 1 MiB takes to copy."""
+COPIER_MIN_BYTES = 4 << 20
+"""CPU loads of less than this copy in the caller even with a copier (the plugin's default
+``tuning.overlap_load_min_bytes``: a hand-over costs more than a small load's copy)."""
 
 
 @dataclass(frozen=True, slots=True)
