@@ -14,8 +14,9 @@ into blocks that vLLM recomputes.
 
 Both run on a hit's path, on a cold CPU (an engine idle between requests), where each
 Python call costs microseconds: an event is a bare lock and a load is handed over through
-a bare queue, all in C, rather than ``threading.Event`` and a ``ThreadPoolExecutor``
-(which run about 40 Python calls for a 4-layer load; cold, 0.1-0.2 ms on the path).
+a bare queue, all in C, rather than ``threading.Event`` and a ``ThreadPoolExecutor`` (about
+40 Python calls for a 4-layer load; the hand-over took 118-128 us cold with them, 55-66 us
+without: docs/benchmarks.md, 2026-11-28).
 """
 
 from __future__ import annotations
