@@ -150,6 +150,12 @@ def start_env(tmp: Path) -> Iterator[Env]:
         engines.append(a)
         b_config = {**config, "kv_connector": "FaultInjectingConnector"}
         b_config["kv_connector_module_path"] = "fault_connector"
+        # b's loads of 512 tokens (1 MiB) copy on the copy thread, which the slow-copy test
+        # slows down (the default copies loads under 4 MiB in the caller).
+        b_config["kv_connector_extra_config"] = {
+            **config["kv_connector_extra_config"],
+            "tuning": {"overlap_load_min_bytes": 1 << 20},
+        }
         b = EngineProc.start(
             "b",
             model_dir,
