@@ -25,11 +25,14 @@ from lmcache_svc.shm.index_reader import IndexReader, Located
 
 @dataclass(frozen=True, slots=True)
 class InPlaceRead:
-    """Read-only views of the located chunks' bytes; copy them, then call ``unchanged``."""
+    """Read-only views of the located chunks' bytes; copy them, then call ``unchanged``.
+    ``offsets``: where each view starts in the session's arena (chunks one after another
+    there can be copied as one, told apart without asking each view for its address)."""
 
     buffers: list[memoryview]
     reader: IndexReader
     located: Located
+    offsets: list[int]
 
     def unchanged(self) -> int:
         """How many leading chunks were not freed or rewritten since they were located: the
@@ -61,9 +64,9 @@ def read_in_place(
         located = reader.locate(ns_id, chunk_hashes)
     if located is None:
         return None
-    length = namespace.chunk_bytes
+    length, offsets = namespace.chunk_bytes, located.offsets
     try:
-        views = [session.mapping.view(o, length, writable=False) for o in located.offsets]
+        views = [session.mapping.view(o, length, writable=False) for o in offsets]
     except (InvalidArgument, RuntimeError):  # not this mapping's range, or it was closed
         return None
-    return InPlaceRead(views, reader, located)
+    return InPlaceRead(views, reader, located, offsets)

@@ -209,10 +209,11 @@ class StoreSlot:
 @dataclass(frozen=True, slots=True)
 class LoadLease:
     """Read-only views of the leased prefix's bytes in the shared segment, valid until
-    released (writing through one raises ``TypeError``)."""
+    released (writing through one raises ``TypeError``), and where each starts there."""
 
     lease_id: str | None
     buffers: list[memoryview] = field(default_factory=list)
+    offsets: list[int] = field(default_factory=list)
 
 
 def map_segment(event: pb.SessionEvent) -> tuple[ArenaMapping | None, str]:
@@ -249,8 +250,11 @@ def store_slots(resp: pb.PrepareStoreResponse, mapping: ArenaMapping) -> list[St
 
 def load_lease(resp: pb.PrepareLoadResponse, mapping: ArenaMapping) -> LoadLease:
     """The lease's buffers are read-only views: a write through one raises ``TypeError``."""
+    slots = resp.slots
     return LoadLease(
-        resp.lease_id, [mapping.view(s.offset, s.length, writable=False) for s in resp.slots]
+        resp.lease_id,
+        [mapping.view(s.offset, s.length, writable=False) for s in slots],
+        [s.offset for s in slots],
     )
 
 

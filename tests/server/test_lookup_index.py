@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 from lmcache_svc.cache import TieredCache
@@ -172,6 +173,32 @@ def test_client_lookup_is_local_and_matches_grpc(served: Served) -> None:
         assert local.lookup(ns_id, query).num_hit_chunks == 1
         cache.put(ACME_NS.namespace_id, h(1), b"\1" * CHUNK)
         assert local.lookup(ns_id, query).num_hit_chunks == 3
+
+
+def _address(view: memoryview) -> int:
+    return int(np.frombuffer(view, dtype=np.uint8).__array_interface__["data"][0])
+
+
+def test_reads_in_place_and_leases_say_where_each_view_starts(served: Served) -> None:
+    # The plugin's copies join chunks that lie one after another by these offsets alone.
+    cache = served.cache
+    hashes = [h(i) for i in range(3)]
+    for i, digest in enumerate(hashes):
+        cache.put(ACME_NS.namespace_id, digest, bytes([i]) * CHUNK)
+    with served.client(ACME) as client:
+        ns_id = client.register_namespace(ACME_NS)
+        assert client.shm_available
+        read = client.read_in_place(ns_id, hashes)
+        lease = client.prepare_load(ns_id, hashes)
+        try:
+            assert read is not None and len(lease.buffers) == 3
+            for buffers, offsets in ((read.buffers, read.offsets), (lease.buffers, lease.offsets)):
+                assert len(offsets) == 3 and len(set(offsets)) == 3
+                assert [bytes(b[:1]) for b in buffers] == [b"\0", b"\1", b"\2"]
+                base = _address(buffers[0]) - offsets[0]  # the segment's start
+                assert [_address(b) - base for b in buffers] == offsets
+        finally:
+            client.release_load(lease)
 
 
 def test_a_tenant_session_maps_only_its_own_table(served: Served) -> None:
