@@ -87,7 +87,7 @@ def _slot(arena: memoryview, pages: KVPages, i: int) -> memoryview:
 
 
 def _copies(loads: list[ChunkLoad], pages: KVPages) -> list[Any]:
-    places = [(c.src, c.first_block, c.block_ids) for c in loads]
+    places = [(c.src, c.first_block, c.block_ids, c.offset) for c in loads]
     return _host_copies(places, pages.geometry, writeable=False)
 
 
@@ -143,8 +143,32 @@ def test_one_block_chunks_are_one_copy_counting_up_or_down() -> None:
     ]
 
 
+def test_offsets_join_chunks_as_their_addresses_do_and_are_checked() -> None:
+    pages = KVPages(make_pages(7)[0].layers, 1)
+    arena, n = _arena(pages, 4, seed=7), pages.geometry.chunk_bytes
+
+    def load(slot: int, block: int, offset: int | None = None) -> ChunkLoad:
+        return ChunkLoad(_slot(arena, pages, slot), 0, (block,), offset)
+
+    def plan(loads: list[ChunkLoad]) -> list[tuple[Any, ...]]:
+        return [
+            (c.chunks.shape, c.block, c.step, c.chunks.__array_interface__["data"][0])
+            for c in _copies(loads, pages)
+        ]
+
+    by_offset = plan([load(i, 9 - i, i * n) for i in range(3)])
+    assert by_offset == plan([load(i, 9 - i) for i in range(3)]) and len(by_offset) == 1
+    assert len(plan([load(0, 9, 0), load(1, 8, 2 * n)])) == 2  # apart by their offsets
+    # Offsets that join chunks lying apart would copy other memory: refused.
+    with pytest.raises(ValueError, match="offsets"):
+        _copies([load(0, 9, 0), load(2, 8, n)], pages)
+    # A chunk without an offset: every chunk placed by its address.
+    assert len(plan([load(0, 9, 5 * n), load(1, 8)])) == 1
+
+
+@pytest.mark.parametrize("offsets", [False, True], ids=["by-address", "by-offset"])
 @pytest.mark.parametrize("seed", range(10))
-def test_one_block_chunk_loads_match_the_page_by_page_reference(seed: int) -> None:
+def test_one_block_chunk_loads_match_the_page_by_page_reference(seed: int, offsets: bool) -> None:
     rng = random.Random(seed)
     pages = KVPages(make_pages(90 + seed)[0].layers, 1)
     want = [layer.clone() for layer in pages.layers]
@@ -153,7 +177,8 @@ def test_one_block_chunk_loads_match_the_page_by_page_reference(seed: int) -> No
     slot, block, loads = rng.randrange(8), rng.randrange(SHAPE.num_blocks), []
     for _ in range(rng.randint(1, 10)):
         buffer = _slot(arena, pages, slot)
-        loads.append(ChunkLoad(buffer, 0, (block,)))
+        offset = slot * pages.geometry.chunk_bytes if offsets else None
+        loads.append(ChunkLoad(buffer, 0, (block,), offset))
         reference.copy_chunk_in(pages.chunk_tensor(buffer), 0, (block,))
         slot = (slot + 1) % 8 if rng.random() < 0.7 else rng.randrange(8)
         step = rng.choice([1, -1, 1, -1, 3])
@@ -163,8 +188,9 @@ def test_one_block_chunk_loads_match_the_page_by_page_reference(seed: int) -> No
         assert torch.equal(got, expected)
 
 
+@pytest.mark.parametrize("offsets", [False, True], ids=["by-address", "by-offset"])
 @pytest.mark.parametrize("seed", range(20))
-def test_host_loads_match_the_page_by_page_reference(seed: int) -> None:
+def test_host_loads_match_the_page_by_page_reference(seed: int, offsets: bool) -> None:
     """Random loads (whole and partial chunks, adjacent slots or not, consecutive or
     scattered blocks, buffers or tensors) land exactly where a page-by-page copy puts them."""
     rng = random.Random(seed)
@@ -191,7 +217,8 @@ def test_host_loads_match_the_page_by_page_reference(seed: int) -> None:
                 ids = sorted(ids, reverse=rng.random() < 0.5)
         buffer = _slot(arena, pages, slot)
         src = pages.chunk_tensor(buffer) if rng.random() < 0.3 else buffer
-        loads.append(ChunkLoad(src, first, ids))
+        offset = slot * pages.geometry.chunk_bytes if offsets else None
+        loads.append(ChunkLoad(src, first, ids, offset))
         reference.copy_chunk_in(pages.chunk_tensor(buffer), first, ids)
         slot = (slot + 1) % 6 if rng.random() < 0.6 else rng.randrange(6)
     PageMover(pages, SyncStream(), gather="runs").load(loads).synchronize()

@@ -18,6 +18,7 @@ from lmcache_svc_vllm import worker as worker_module
 from lmcache_svc_vllm.config import ConnectorConfig
 from lmcache_svc_vllm.link import ServerLink
 from lmcache_svc_vllm.metadata import LoadPlan, SavePlan, StepPlan
+from lmcache_svc_vllm.mover import PageMover
 from lmcache_svc_vllm.stats import StatsRecorder
 from lmcache_svc_vllm.worker import WorkerSide
 
@@ -292,6 +293,7 @@ def test_loads_read_in_place_take_no_lease(
     wait_stored(server, 2)
     leases = count_calls(monkeypatch, CacheClient, "prepare_load")
     touches = count_calls(monkeypatch, CacheClient, "touch")
+    copies = count_calls(monkeypatch, PageMover, "load")
     dst, dst_layers = _ready_worker(server, 12)
     load = StepPlan(loads=[LoadPlan("r5", (HASHES[:2],), 1, (7, 5, 6), is_async=False)])
     dst.bind(load)
@@ -314,6 +316,11 @@ def test_loads_read_in_place_take_no_lease(
     off.link.warm_up()
     off.start_load(load)
     assert off.take_load_errors() == set() and len(leases) == 1
+    # Both loads told the copies where each chunk lies in the segment (``_host_copies``).
+    assert len(copies) == 2
+    for (chunks,) in copies:
+        offsets = [c.offset for c in chunks]
+        assert None not in offsets and len(set(offsets)) == 2
     for w in (src, dst, off):
         w.shutdown()
 

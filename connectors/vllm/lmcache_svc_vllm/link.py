@@ -56,10 +56,12 @@ class Reservation:
 
 @dataclass(slots=True)
 class Acquired:
-    """Readable buffers of the available prefix of the requested chunks."""
+    """Readable buffers of the available prefix of the requested chunks; ``offsets``:
+    where each starts in the server's shared segment (empty: they are not in it)."""
 
     buffers: list[memoryview]
     lease: LoadLease | None
+    offsets: Sequence[int] = ()
 
 
 class ServerLink:
@@ -328,7 +330,7 @@ class ServerLink:
         lease = self._guarded("prepare_load", lambda ns: self._client.prepare_load(ns, hashes))
         if lease is None:
             return None
-        return Acquired(list(lease.buffers), lease)
+        return Acquired(list(lease.buffers), lease, lease.offsets)
 
     def read_in_place(
         self, hashes: Sequence[bytes], placement: Placement | None = None

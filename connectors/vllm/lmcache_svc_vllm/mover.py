@@ -46,7 +46,7 @@ caching allocator never hands their memory to other work early.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import chain
 from typing import Literal
 
@@ -84,15 +84,21 @@ class ChunkSave:
     dst: torch.Tensor
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class ChunkLoad:
     """Load blocks ``first_block ..`` of the chunk ``src`` into ``block_ids``: a chunk
     tensor, or the chunk's bytes (a shared segment's view), which the mover turns into
-    whatever its copies need."""
+    whatever its copies need. ``offset``: where ``src`` starts in the segment it views,
+    the same segment for every chunk of the load (None: unknown), which tells chunks that
+    lie one after another there without asking each for its address (``_host_copies``).
+
+    Not frozen: a hit makes one per chunk, and a frozen dataclass sets each field through
+    a call (47 of them took 40 us, against 11)."""
 
     src: torch.Tensor | memoryview
     first_block: int
     block_ids: Sequence[int]
+    offset: int | None = None
 
 
 class LayerEvents:
@@ -179,7 +185,7 @@ class PageMover:
 
     def _save_host(self, layers: Sequence[int], chunks: Sequence[ChunkSave]) -> list[CopyEvent]:
         assert self._host is not None
-        places = [(c.dst, 0, c.block_ids) for c in chunks]
+        places = [(c.dst, 0, c.block_ids, None) for c in chunks]
         copies = _host_copies(places, self.pages.geometry, writeable=True)
         events = []
         for layer in layers:
@@ -257,20 +263,20 @@ class PageMover:
         return [done] * len(layers)
 
     def _load_host(self, chunks: Sequence[ChunkLoad], beside: bool) -> list[CopyEvent]:
+        """Planned here, before any copy: on the copy thread the plan's Python held the
+        interpreter lock that the forward pass, starting beside it, needs."""
         assert self._host is not None
-        host, geometry = self._host, self.pages.geometry
-        places = [(c.src, c.first_block, c.block_ids) for c in chunks]
-        copies: list[_HostCopy] = []
+        host = self._host
+        places = [(c.src, c.first_block, c.block_ids, c.offset) for c in chunks]
+        copies = _host_copies(places, self.pages.geometry, writeable=False)
 
         def copy_layer(layer: int) -> None:
-            if not copies:  # planned by the first layer's copy (on the copy thread, if any)
-                copies.extend(_host_copies(places, geometry, writeable=False))
             for copy in copies:
                 copy.into(host[layer], layer)
 
-        num_bytes = sum(len(c.block_ids) for c in chunks) * geometry.page_bytes
-        if beside and self._copier is not None and num_bytes * len(host) >= self.copier_min_bytes:
-            # Planned and copied while the forward pass runs up to each layer's attention.
+        num_bytes = sum(copy.layer_bytes for copy in copies) * len(host)
+        if beside and self._copier is not None and num_bytes >= self.copier_min_bytes:
+            # Copied while the forward pass runs up to each layer's attention.
             return list(self._copier.copy_layers(copy_layer, range(len(host))))
         events: list[CopyEvent] = []
         for layer in range(len(host)):
@@ -573,6 +579,12 @@ class _HostCopy:
     block: int
     step: int
 
+    @property
+    def layer_bytes(self) -> int:
+        """The bytes this copy moves per layer."""
+        n, _, k, page = self.chunks.shape
+        return n * k * page
+
     def into(self, kv: np.ndarray, layer: int) -> None:
         """Load: the chunks' pages of ``layer`` into the blocks."""
         self._blocks(kv)[...] = self.chunks[:, layer]
@@ -593,22 +605,29 @@ class _HostCopy:
 @dataclass(slots=True)
 class _Adjacent:
     """Whole chunks that lie one after another in memory (consecutive slots of the arena),
-    bound for consecutive blocks in one direction."""
+    bound for consecutive blocks in one direction. ``where``: the first chunk's place,
+    its address or its offset in the segment (``_host_copies``)."""
 
-    first: np.ndarray  # the first chunk's bytes
-    address: int
+    geometry: ChunkGeometry
+    first: torch.Tensor | memoryview  # the first chunk's bytes
+    where: int
     block: int  # the first chunk's first block
     step: int
+    last: torch.Tensor | memoryview | None = None  # the last chunk's, after the first
     count: int = 1
+    chunk_bytes: int = field(init=False)
 
-    def extend(self, address: int, block: int, step: int, geometry: ChunkGeometry) -> bool:
+    def __post_init__(self) -> None:
+        self.chunk_bytes = self.geometry.chunk_bytes  # a property: computed once here
+
+    def extend(self, chunk: torch.Tensor | memoryview, where: int, block: int, step: int) -> bool:
         """Take the next chunk if it continues the run; True if it did.
 
         A chunk of one block (the CPU's default: 128-token blocks and chunks) has no
         direction of its own: the run's second chunk sets it, so blocks handed out in
         reverse are one copy too (they were one copy per chunk)."""
-        g = geometry
-        if address != self.address + self.count * g.chunk_bytes:
+        g = self.geometry
+        if where != self.where + self.count * self.chunk_bytes:
             return False
         if g.blocks_per_chunk == 1:
             if self.count == 1 and abs(block - self.block) == 1:
@@ -617,19 +636,28 @@ class _Adjacent:
         if step != self.step or block != self.block + step * self.count * g.blocks_per_chunk:
             return False
         self.count += 1
+        self.last = chunk
         return True
 
-    def copy(self, geometry: ChunkGeometry, writeable: bool) -> _HostCopy:
-        """One copy for all the chunks: a strided ``[count, layers, blocks, page]`` view."""
-        g = geometry
+    def copy(self, writeable: bool) -> _HostCopy:
+        """One copy for all the chunks: a strided ``[count, layers, blocks, page]`` view
+        from the first chunk's bytes on. Raises ``ValueError`` if the last chunk is not
+        where the run's places say (offsets that are not the buffers' own): the view
+        would cover other memory."""
+        g = self.geometry
+        first = _host_bytes(self.first)
+        span = (self.count - 1) * g.chunk_bytes
+        if self.last is not None and _address(self.last) - _address(first) != span:
+            raise ValueError("chunks' offsets do not match where their bytes are")
         shape = (self.count, g.num_layers, g.blocks_per_chunk, g.page_bytes)
         strides = (g.chunk_bytes, g.blocks_per_chunk * g.page_bytes, g.page_bytes, 1)
-        view = as_strided(self.first, shape, strides, writeable=writeable)
+        view = as_strided(first, shape, strides, writeable=writeable)
         return _HostCopy(view, self.block, self.step)
 
 
-ChunkPlace = tuple[torch.Tensor | memoryview, int, Sequence[int]]
-"""A chunk's bytes, the first of its blocks copied, and the engine's blocks they go with."""
+ChunkPlace = tuple[torch.Tensor | memoryview, int, Sequence[int], int | None]
+"""A chunk's bytes, the first of its blocks copied, the engine's blocks they go with, and
+where the bytes start in the segment every chunk of the copy views (None: unknown)."""
 
 
 def _host_copies(
@@ -638,42 +666,48 @@ def _host_copies(
     """The host copies of a load or save, as few as the chunks' places allow: whole chunks
     adjacent in memory and paired with consecutive blocks are copied together
     (``_Adjacent``), a chunk paired with consecutive blocks in one copy, any other chunk
-    run by run. ``writeable``: the chunks are written (a save)."""
+    run by run. ``writeable``: the chunks are written (a save).
+
+    Whole chunks are placed by their offsets in the segment where every chunk has one
+    (``ChunkLoad.offset``), else by their addresses. Asking numpy for each chunk's address
+    took most of the plan of a 47-chunk load (0.21-0.25 ms of Python in all, on the copy
+    thread, holding the interpreter lock the engine's forward pass needs): now a run's
+    first and last chunks alone are asked, the last to check the offsets."""
     g = geometry
+    by_offset = all(place[3] is not None for place in places)
     copies: list[_HostCopy] = []
     adjacent: _Adjacent | None = None
-    for buffer, first, block_ids in places:
-        chunk = _host_bytes(buffer)
-        if chunk.size != g.chunk_bytes:
-            raise ValueError(f"chunk of {chunk.size} bytes, expected {g.chunk_bytes}")
-        ids = tuple(block_ids)
+    for buffer, first, block_ids, offset in places:
+        if buffer.nbytes != g.chunk_bytes:
+            raise ValueError(f"chunk of {buffer.nbytes} bytes, expected {g.chunk_bytes}")
+        ids = block_ids if type(block_ids) is tuple else tuple(block_ids)
         step = _direction(ids)
         if step is not None and first == 0 and len(ids) == g.blocks_per_chunk:
-            address = chunk.__array_interface__["data"][0]
-            if adjacent is not None and adjacent.extend(address, ids[0], step, g):
+            where = offset if offset is not None and by_offset else _address(buffer)
+            if adjacent is not None and adjacent.extend(buffer, where, ids[0], step):
                 continue
             if adjacent is not None:
-                copies.append(adjacent.copy(g, writeable))
-            adjacent = _Adjacent(chunk, address, ids[0], step)
+                copies.append(adjacent.copy(writeable))
+            adjacent = _Adjacent(g, buffer, where, ids[0], step)
             continue
         if adjacent is not None:
-            copies.append(adjacent.copy(g, writeable))
+            copies.append(adjacent.copy(writeable))
             adjacent = None
-        pages = chunk.reshape(1, g.num_layers, g.blocks_per_chunk, g.page_bytes)
+        pages = _host_bytes(buffer).reshape(1, g.num_layers, g.blocks_per_chunk, g.page_bytes)
         if step is not None:
             copies.append(_HostCopy(pages[:, :, first : first + len(ids)], ids[0], step))
             continue
         for start, block, n in runs_of(ids):
             copies.append(_HostCopy(pages[:, :, first + start : first + start + n], block, 1))
     if adjacent is not None:
-        copies.append(adjacent.copy(g, writeable))
+        copies.append(adjacent.copy(writeable))
     return copies
 
 
 def _direction(ids: tuple[int, ...]) -> int | None:
     """1 if the block ids count up one by one (or there is one), -1 if down, else None."""
-    if not ids:
-        return None
+    if len(ids) <= 1:
+        return 1 if ids else None
     if ids == tuple(range(ids[0], ids[0] + len(ids))):
         return 1
     if ids == tuple(range(ids[0], ids[0] - len(ids), -1)):
@@ -686,6 +720,14 @@ def _host_bytes(src: torch.Tensor | memoryview) -> np.ndarray:
     if isinstance(src, torch.Tensor):
         return src.numpy().reshape(-1)
     return np.frombuffer(src, dtype=np.uint8)
+
+
+def _address(src: torch.Tensor | memoryview | np.ndarray) -> int:
+    """Where a chunk's bytes start in this process's memory."""
+    if isinstance(src, torch.Tensor):
+        return src.data_ptr()
+    array = src if isinstance(src, np.ndarray) else np.frombuffer(src, dtype=np.uint8)
+    return int(array.__array_interface__["data"][0])
 
 
 def _runs_in_words(

@@ -391,7 +391,7 @@ class WorkerSide:
         if read is None:
             return None
         try:
-            events, num_blocks = self._copy_in(plan, read.buffers, step)
+            events, num_blocks = self._copy_in(plan, read.buffers, read.offsets, step)
             if step and self._beside_forward(events):
                 self._step_loads.append(events)
                 self._step_checks.append(lambda: self._check_late(plan, hashes, read, events))
@@ -467,7 +467,9 @@ class WorkerSide:
         events: LayerEvents | None = None
         try:
             self._pin(acquired.buffers)
-            events, num_loaded_blocks = self._copy_in(plan, acquired.buffers, step)
+            events, num_loaded_blocks = self._copy_in(
+                plan, acquired.buffers, acquired.offsets, step
+            )
             copying, copied = events, num_loaded_blocks
             if step and self._beside_forward(copying):
                 self._step_loads.append(copying)
@@ -486,14 +488,19 @@ class WorkerSide:
         return min(len(acquired.buffers), len(plan.hashes_for(self.tp_rank))), num_loaded_blocks
 
     def _copy_in(
-        self, plan: LoadPlan, buffers: Sequence[memoryview], step: bool
+        self, plan: LoadPlan, buffers: Sequence[memoryview], offsets: Sequence[int], step: bool
     ) -> tuple[LayerEvents, int]:
         """Start copying chunk ``buffers`` into the plan's blocks (on the copy
-        thread when ``step`` is set and the load is big enough); (events, blocks)."""
+        thread when ``step`` is set and the load is big enough); (events, blocks).
+        ``offsets``: where the buffers start in the server's segment (empty: unknown)."""
         assert self._pages is not None and self._mover is not None
+        places = self._chunk_blocks(plan)
+        where: Sequence[int | None] = (
+            offsets if len(offsets) == len(buffers) else [None] * len(buffers)
+        )
         chunks = [
-            ChunkLoad(buffer, first, block_ids)
-            for (first, block_ids), buffer in zip(self._chunk_blocks(plan), buffers)
+            ChunkLoad(buffer, first, block_ids, offset)
+            for (first, block_ids), buffer, offset in zip(places, buffers, where)
         ]
         return self._mover.load(chunks, beside=step), sum(len(c.block_ids) for c in chunks)
 
@@ -542,13 +549,11 @@ class WorkerSide:
 
     def _chunk_blocks(self, plan: LoadPlan) -> list[tuple[int, tuple[int, ...]]]:
         """(first block inside the chunk, destination block ids) for each chunk of a load."""
-        out: list[tuple[int, tuple[int, ...]]] = []
-        pos, first = 0, plan.first_block
-        while pos < len(plan.block_ids):
-            n = min(self.blocks_per_chunk - first, len(plan.block_ids) - pos)
-            out.append((first, plan.block_ids[pos : pos + n]))
-            pos, first = pos + n, 0
-        return out
+        ids, first, k = plan.block_ids, plan.first_block, self.blocks_per_chunk
+        if not ids:
+            return []
+        head = k - first  # the first chunk's blocks; then whole chunks (the last maybe not)
+        return [(first, ids[:head]), *((0, ids[i : i + k]) for i in range(head, len(ids), k))]
 
     # -- saves ---------------------------------------------------------------------------
 
