@@ -49,6 +49,8 @@ CHUNK_KEY_BYTES = NAMESPACE_ID_BYTES + CHUNK_HASH_BYTES
 
 _CHUNK_SEED = b"lmcache-svc/chunk/v1\x00"
 _NAMESPACE_SEED = b"lmcache-svc/namespace/v1\x00"
+_SEEDED = hashlib.sha256(_CHUNK_SEED)
+"""Every chunk hash starts from this state (copied: a prompt's 47 chunks hashed 85 -> 68 us)."""
 _MAX_TOKEN_ID = 2**32 - 1
 MAX_FIELD_VALUE = 2**32 - 1
 """Largest value of a namespace's integer fields: they travel as protobuf ``uint32``."""
@@ -287,16 +289,17 @@ def chunk_hashes(
     size = namespace.chunk_size
     packed = memoryview(pack_token_ids(token_ids))
     num_tokens = len(packed) // 4
-    end = num_tokens if include_partial else num_tokens - num_tokens % size
+    end = 4 * (num_tokens if include_partial else num_tokens - num_tokens % size)
     parent: bytes = namespace.namespace_id
-    hashes: list[ChunkHash] = []
-    for start in range(0, end, size):
-        h = hashlib.sha256(_CHUNK_SEED)
+    hashes: list[bytes] = []
+    seeded, step = _SEEDED.copy, 4 * size  # per chunk: no seed hashed again, no call but hashing's
+    for start in range(0, end, step):
+        h = seeded()
         h.update(parent)
-        h.update(packed[start * 4 : min(start + size, end) * 4])
+        h.update(packed[start : min(start + step, end)])
         parent = h.digest()
-        hashes.append(ChunkHash(parent))
-    return hashes
+        hashes.append(parent)
+    return cast("list[ChunkHash]", hashes)
 
 
 def make_chunk_key(namespace_id: bytes, chunk_hash_: bytes) -> ChunkKey:
