@@ -292,7 +292,7 @@ def chunk_hashes(
     end = 4 * (num_tokens if include_partial else num_tokens - num_tokens % size)
     parent: bytes = namespace.namespace_id
     hashes: list[bytes] = []
-    seeded, step = _SEEDED.copy, 4 * size  # per chunk: no seed hashed again, no call but hashing's
+    seeded, step = _SEEDED.copy, 4 * size  # bytes of a chunk's tokens
     for start in range(0, end, step):
         h = seeded()
         h.update(parent)

@@ -18,6 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 from lmcache_svc.keys import ChunkKey, KVLayout, Namespace
@@ -74,6 +75,12 @@ class ManualClock:
 
     def __call__(self) -> float:
         return self.now
+
+
+def address_of(buffer: Any) -> int:
+    """Where a buffer's (a memoryview's, an array's) bytes start in this process."""
+    array = buffer if isinstance(buffer, np.ndarray) else np.frombuffer(buffer, dtype=np.uint8)
+    return int(array.ctypes.data)
 
 
 def wait_until(predicate: Callable[[], object], timeout_s: float, what: str) -> None:

@@ -25,14 +25,17 @@ from lmcache_svc.shm.index_reader import IndexReader, Located
 
 @dataclass(frozen=True, slots=True)
 class InPlaceRead:
-    """Read-only views of the located chunks' bytes; copy them, then call ``unchanged``.
-    ``offsets``: where each view starts in the session's arena (chunks one after another
-    there can be copied as one, told apart without asking each view for its address)."""
+    """Read-only views of the located chunks' bytes; copy them, then call ``unchanged``."""
 
     buffers: list[memoryview]
     reader: IndexReader
     located: Located
-    offsets: list[int]
+
+    @property
+    def offsets(self) -> list[int]:
+        """Where each view starts in the session's arena (chunks one after another there
+        can be copied as one, told apart without asking each view for its address)."""
+        return self.located.offsets
 
     def unchanged(self) -> int:
         """How many leading chunks were not freed or rewritten since they were located: the
@@ -64,9 +67,9 @@ def read_in_place(
         located = reader.locate(ns_id, chunk_hashes)
     if located is None:
         return None
-    length, offsets = namespace.chunk_bytes, located.offsets
+    length = namespace.chunk_bytes
     try:
-        views = [session.mapping.view(o, length, writable=False) for o in offsets]
+        views = [session.mapping.view(o, length, writable=False) for o in located.offsets]
     except (InvalidArgument, RuntimeError):  # not this mapping's range, or it was closed
         return None
-    return InPlaceRead(views, reader, located, offsets)
+    return InPlaceRead(views, reader, located)

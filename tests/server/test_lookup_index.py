@@ -13,7 +13,6 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
 
 from lmcache_svc.cache import TieredCache
@@ -28,6 +27,7 @@ from lmcache_svc.server.tokens import Authenticator
 from lmcache_svc.shm.arena import Arena
 from lmcache_svc.tiers.cpu import CpuTier
 from lmcache_svc.tiers.ssd import SsdTier
+from tests.helpers import address_of
 
 LAYOUT = KVLayout(
     "uint8", num_layers=1, num_kv_heads=1, head_size=128, block_size=16, page_layout="test"
@@ -175,10 +175,6 @@ def test_client_lookup_is_local_and_matches_grpc(served: Served) -> None:
         assert local.lookup(ns_id, query).num_hit_chunks == 3
 
 
-def _address(view: memoryview) -> int:
-    return int(np.frombuffer(view, dtype=np.uint8).__array_interface__["data"][0])
-
-
 def test_reads_in_place_and_leases_say_where_each_view_starts(served: Served) -> None:
     # The plugin's copies join chunks that lie one after another by these offsets alone.
     cache = served.cache
@@ -195,8 +191,8 @@ def test_reads_in_place_and_leases_say_where_each_view_starts(served: Served) ->
             for buffers, offsets in ((read.buffers, read.offsets), (lease.buffers, lease.offsets)):
                 assert len(offsets) == 3 and len(set(offsets)) == 3
                 assert [bytes(b[:1]) for b in buffers] == [b"\0", b"\1", b"\2"]
-                base = _address(buffers[0]) - offsets[0]  # the segment's start
-                assert [_address(b) - base for b in buffers] == offsets
+                base = address_of(buffers[0]) - offsets[0]  # the segment's start
+                assert [address_of(b) - base for b in buffers] == offsets
         finally:
             client.release_load(lease)
 

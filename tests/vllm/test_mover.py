@@ -26,6 +26,7 @@ from lmcache_svc.client import CacheClient
 from lmcache_svc.keys import chunk_hashes
 from lmcache_svc_bench.procs import ServerProc, start_server
 from tests.gpu.kv_layout import KVShape, make_kv_caches, namespace_for, page_order
+from tests.helpers import address_of
 
 SHAPE = KVShape(num_layers=3, num_blocks=12, block_size=16, num_kv_heads=2, head_size=32)
 BLOCKS_PER_CHUNK = 4
@@ -152,8 +153,7 @@ def test_offsets_join_chunks_as_their_addresses_do_and_are_checked() -> None:
 
     def plan(loads: list[ChunkLoad]) -> list[tuple[Any, ...]]:
         return [
-            (c.chunks.shape, c.block, c.step, c.chunks.__array_interface__["data"][0])
-            for c in _copies(loads, pages)
+            (c.chunks.shape, c.block, c.step, address_of(c.chunks)) for c in _copies(loads, pages)
         ]
 
     by_offset = plan([load(i, 9 - i, i * n) for i in range(3)])

@@ -46,7 +46,7 @@ caching allocator never hands their memory to other work early.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from itertools import chain
 from typing import Literal
 
@@ -615,10 +615,6 @@ class _Adjacent:
     step: int
     last: torch.Tensor | memoryview | None = None  # the last chunk's, after the first
     count: int = 1
-    chunk_bytes: int = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.chunk_bytes = self.geometry.chunk_bytes  # a property: computed once here
 
     def extend(self, chunk: torch.Tensor | memoryview, where: int, block: int, step: int) -> bool:
         """Take the next chunk if it continues the run; True if it did.
@@ -627,7 +623,7 @@ class _Adjacent:
         direction of its own: the run's second chunk sets it, so blocks handed out in
         reverse are one copy too (they were one copy per chunk)."""
         g = self.geometry
-        if where != self.where + self.count * self.chunk_bytes:
+        if where != self.where + self.count * g.chunk_bytes:
             return False
         if g.blocks_per_chunk == 1:
             if self.count == 1 and abs(block - self.block) == 1:
@@ -673,13 +669,13 @@ def _host_copies(
     took most of the plan of a 47-chunk load (0.21-0.25 ms of Python in all, on the copy
     thread, holding the interpreter lock the engine's forward pass needs): now a run's
     first and last chunks alone are asked, the last to check the offsets."""
-    g = geometry
+    g, chunk_bytes = geometry, geometry.chunk_bytes
     by_offset = all(place[3] is not None for place in places)
     copies: list[_HostCopy] = []
     adjacent: _Adjacent | None = None
     for buffer, first, block_ids, offset in places:
-        if buffer.nbytes != g.chunk_bytes:
-            raise ValueError(f"chunk of {buffer.nbytes} bytes, expected {g.chunk_bytes}")
+        if buffer.nbytes != chunk_bytes:
+            raise ValueError(f"chunk of {buffer.nbytes} bytes, expected {chunk_bytes}")
         ids = block_ids if type(block_ids) is tuple else tuple(block_ids)
         step = _direction(ids)
         if step is not None and first == 0 and len(ids) == g.blocks_per_chunk:
