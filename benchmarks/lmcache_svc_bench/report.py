@@ -17,6 +17,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
+from lmcache_svc_bench.host_cpu import MAX_STEAL
+
 
 @dataclass
 class Table:
@@ -53,6 +55,7 @@ class Target:
     lower_is_better: bool = False
     why_missed: str = ""
     not_evaluated: str = ""  # why this run cannot judge it (then never met, whatever the value)
+    timing: bool = True  # a time or a rate, which a host short of CPU skews (not a count)
 
     @property
     def met(self) -> bool:
@@ -99,6 +102,21 @@ class Report:
         self.targets.append(target)
         return target
 
+    def judge_host(self, steal: float | None) -> None:
+        """Record the share of the run's busy CPU time the hypervisor took (``host_cpu``);
+        above ``MAX_STEAL`` the timing targets are not judged: the host, not the code, set
+        their figures."""
+        self.machine["steal"] = steal
+        if steal is None or steal <= MAX_STEAL:
+            return
+        why = (
+            f"the hypervisor took {steal:.0%} of this run's busy CPU time (steal in /proc/stat; "
+            f"over {MAX_STEAL:.0%}): the timings are the host's"
+        )
+        for target in self.targets:
+            if target.timing and not target.not_evaluated:
+                target.not_evaluated = why
+
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)
         out["targets"] = [{**asdict(t), "met": t.met} for t in self.targets]
@@ -108,9 +126,11 @@ class Report:
         parts = [f"## bench {self.name} ({self.mode})", ""]
         if self.description:
             parts += [self.description, ""]
+        steal = self.machine.get("steal")
+        stolen = "" if steal is None else f"; the hypervisor took {steal:.1%} of its busy CPU time"
         parts.append(
             f"Machine: {self.machine['summary']}. Started {self.started}, "
-            f"took {self.elapsed_s:.0f} s.\n"
+            f"took {self.elapsed_s:.0f} s{stolen}.\n"
         )
         parts += [t.to_markdown() for t in self.tables]
         if self.targets:

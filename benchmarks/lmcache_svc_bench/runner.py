@@ -16,6 +16,7 @@ from types import FrameType
 from typing import Any
 
 from lmcache_svc_bench import BENCHMARKS
+from lmcache_svc_bench.host_cpu import CpuTimes, steal_share
 from lmcache_svc_bench.report import Progress, Report
 
 
@@ -62,6 +63,7 @@ def run_benchmark(
     start = time.monotonic()
     started = time.strftime("%Y-%m-%d %H:%M:%S %Z")
     progress(f"{ctx.mode} mode; scratch in {work_dir}; results to {out_dir}")
+    cpu_before = CpuTimes.read()
     try:
         with _terminate_unwinds():
             report: Report = module.run(ctx)
@@ -72,6 +74,7 @@ def run_benchmark(
             shutil.rmtree(work_dir, ignore_errors=True)
     report.started = started  # the benchmark's start, not the report object's creation
     report.elapsed_s = time.monotonic() - start
+    report.judge_host(steal_share(cpu_before, CpuTimes.read()))
     json_path, md_path = report.write(out_dir)
     progress(f"done in {report.elapsed_s:.0f} s: {json_path}, {md_path}")
     return report

@@ -167,6 +167,7 @@ def _memory_table(report: Report, rows: list[dict[str, Any]]) -> None:
         TARGET_BYTES_PER_CHUNK,
         unit=" B",
         lower_is_better=True,
+        timing=False,
         why_missed=f"{rows[-1]['marginal_bytes_per_chunk']:.0f} B per chunk since the previous "
         "step: the rest is one-off memory of the first batches, which weighs less the more "
         "chunks are indexed; per-chunk objects in 'where the bytes go'",

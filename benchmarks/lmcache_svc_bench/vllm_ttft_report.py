@@ -126,6 +126,7 @@ def _same_as_c_target(
         float(differ),
         0.0,
         lower_is_better=True,
+        timing=False,
         why_missed="the sidecar's KV gave other tokens than vLLM's own cache: wrong bytes?",
     )
 
@@ -162,6 +163,7 @@ def write_report(
         float(sum(num_first for m in mismatches for num_first, _ in m.values())),
         0.0,
         lower_is_better=True,
+        timing=False,
         why_missed="vLLM's own prefix cache (c) differs there too: bf16 rounding (see the note)"
         if c_too
         else "a connector's hit changed the first token (see 'outputs identical')",
