@@ -180,10 +180,13 @@ def _bench(args: argparse.Namespace) -> int:
         glance = targets_at_a_glance(reports)
         (Path(args.out) / "targets.md").write_text(glance)
         print(glance, flush=True)
-    missed = sum(not t.met for r in reports for t in r.targets)
+    unjudged = sum(bool(t.not_evaluated) for r in reports for t in r.targets)
+    missed = sum(not t.met for r in reports for t in r.targets) - unjudged
     failed = sum(bool(r.data.get("failed")) for r in reports)
     if missed:
         print(f"{missed} target(s) missed: see the reports in {args.out}", file=sys.stderr)
+    if unjudged:
+        print(f"{unjudged} target(s) not evaluated: see the reports in {args.out}", file=sys.stderr)
     if failed:  # a correctness check failed (soak: wrong bytes served), not a speed target
         print(f"{failed} benchmark(s) failed a correctness check", file=sys.stderr)
         return 1

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from lmcache_svc.cli import main
 from lmcache_svc_bench import BENCHMARKS, runner
 from lmcache_svc_bench.host_cpu import MAX_STEAL, CpuTimes, steal_share
 from lmcache_svc_bench.report import Report
@@ -71,9 +72,9 @@ def test_a_quiet_host_or_an_unknown_one_judges_every_target(steal: float | None)
     assert ("the hypervisor took" in report.to_markdown()) == (steal is not None)
 
 
-def test_the_runner_reports_the_steal_of_the_run(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+@pytest.fixture
+def stolen_demo(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A benchmark "demo" with one timing target met, run while 20% of the time is stolen."""
     module = types.ModuleType("demo_bench")
 
     def run(ctx: runner.BenchContext) -> Report:
@@ -87,12 +88,24 @@ def test_the_runner_reports_the_steal_of_the_run(
     readings = iter([CpuTimes(busy=1_000, steal=0), CpuTimes(busy=1_800, steal=200)])
     monkeypatch.setattr(runner.CpuTimes, "read", lambda: next(readings))
 
+
+@pytest.mark.usefixtures("stolen_demo")
+def test_the_runner_reports_the_steal_of_the_run(tmp_path: Path) -> None:
     report = runner.run_benchmark("demo", quick=True, out_dir=tmp_path)
     assert report.machine["steal"] == pytest.approx(0.2)
     assert not report.targets[0].met
     data = json.loads((tmp_path / "demo.json").read_text())
     assert data["machine"]["steal"] == pytest.approx(0.2)
     assert data["targets"][0]["not_evaluated"].startswith("the hypervisor took 20%")
+
+
+@pytest.mark.usefixtures("stolen_demo")
+def test_the_command_counts_targets_not_evaluated_apart_from_misses(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["bench", "demo", "--quick", "--out", str(tmp_path)]) == 0
+    err = capsys.readouterr().err
+    assert "1 target(s) not evaluated" in err and "missed" not in err
 
 
 @pytest.mark.skipif(not Path("/proc/stat").exists(), reason="no /proc/stat: not Linux")
