@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from lmcache_svc_bench.held_signals import held_signals
+
 
 def free_port() -> int:
     """A loopback port that was free a moment ago (bound to port 0, then closed)."""
@@ -135,16 +137,18 @@ def start_server(
     ]
     run_env = {**os.environ, **(env or {})}
     run_env.setdefault("PYTHONUNBUFFERED", "1")
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(
-            cmd,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env=run_env,
-        )
-    server = ServerProc(proc, workdir, log_path)
-    deadline = time.monotonic() + timeout_s
+    server: ServerProc | None = None
     try:
+        with held_signals():  # a Ctrl-C or SIGTERM meanwhile raises here, the handle held
+            with open(log_path, "wb") as log:
+                proc = subprocess.Popen(
+                    cmd,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    env=run_env,
+                )
+            server = ServerProc(proc, workdir, log_path)
+        deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if ready_file.exists():
                 server.ready = json.loads(ready_file.read_text())
@@ -153,7 +157,10 @@ def start_server(
                 break
             time.sleep(0.05)
     except BaseException:  # Ctrl-C while waiting must not leave a server running
-        server.cleanup()
+        if server is not None:
+            server.cleanup()
+        else:
+            shutil.rmtree(workdir, ignore_errors=True)
         raise
     server.cleanup()
     raise RuntimeError(f"server did not become ready (exit {proc.poll()}):\n{server.log()[-4000:]}")
