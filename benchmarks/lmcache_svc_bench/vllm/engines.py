@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from lmcache_svc_bench.held_signals import held_signals
+
 REPO = Path(__file__).resolve().parents[3]
 RUNNER = Path(__file__).with_name("engine_runner.py")
 # Every engine process imports its ``sitecustomize`` (AMX permission: see there).
@@ -123,21 +125,24 @@ class EngineProc:
             **(env or {}),
         }
         log_path = log_dir / f"engine-{name}.log"
-        proc = subprocess.Popen(
-            args,
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=open(log_path, "w"),  # noqa: SIM115 - the child owns it
-            text=True,
-            env=run_env,
-            start_new_session=True,
-        )
-        engine = cls(name, proc, log_path)
-        threading.Thread(target=engine._read_answers, daemon=True).start()
+        engine: EngineProc | None = None
         try:
+            with held_signals():  # a Ctrl-C or SIGTERM meanwhile raises here, the handle held
+                proc = subprocess.Popen(
+                    args,
+                    stdin=subprocess.PIPE,
+                    stdout=subprocess.PIPE,
+                    stderr=open(log_path, "w"),  # noqa: SIM115 - the child owns it
+                    text=True,
+                    env=run_env,
+                    start_new_session=True,
+                )
+                engine = cls(name, proc, log_path)
+                threading.Thread(target=engine._read_answers, daemon=True).start()
             ready = engine._next_answer(STARTUP_TIMEOUT_S)
         except BaseException:  # a failed or interrupted start must not leave a process
-            engine.close(timeout_s=5)
+            if engine is not None:
+                engine.close(timeout_s=5)
             raise
         engine.startup_s = float(ready["startup_s"])
         return engine
