@@ -3,7 +3,9 @@
 # lmcache-svc (the base ones and the server extras) at the lowest version pyproject.toml
 # allows (scripts/lib/floor_constraints.py pins each to its floor: pip has no
 # lowest-versions resolution), on Python 3.11 (requires-python's floor), and the unit tests
-# run in it. Not run here: vLLM, deploy and GPU tests, the benchmarks' quick modes and the
+# run in it. Not run here: vLLM, deploy and GPU tests (also those elsewhere marked vllm:
+# the events tests that start engines, whose sidecars are covered by the unit tests here),
+# the benchmarks' quick modes and the
 # KVCacheMemory API (they need torch, transformers or vLLM, whose versions their own venvs
 # pin), the generated-code check (grpcio-tools is pinned) and the skip check's own tests
 # (pytest's, not the dependencies'). The test tools (pytest,
@@ -34,4 +36,4 @@ exec "$venv/bin/python" -m pytest -q -rs -p tests.skip_check -p no:cacheprovider
   --ignore=tests/vllm --ignore=tests/deploy --ignore=tests/gpu --ignore=tests/bench \
   --ignore=tests/kv_memory --ignore=tests/tiers/test_hbm.py --ignore=tests/test_proto.py \
   --ignore=tests/test_skip_check.py \
-  -k "not hbm" "$@"
+  -k "not hbm" -m "not vllm" "$@"
