@@ -80,34 +80,34 @@ def test_round_robin_alternates_and_forwards_the_request_unchanged(servers) -> N
     assert router.routed == [2, 2]
 
 
-def test_the_index_policy_sends_a_prompt_to_the_worker_holding_its_prefix(servers) -> None:
+def _served_by_index(servers: list[ThreadingHTTPServer]) -> tuple[set[int], Router]:
+    """The backends that answered three one-at-a-time requests routed by the index."""
     a, b, index = servers
     backends = [("127.0.0.1", a.server_port), ("127.0.0.1", b.server_port)]
-    # A timeout far past any answer: a host short of CPU must not turn this into a test of
-    # the index-down fallback (load alone decides, so the first worker gets the prompt).
+    # A timeout far past any answer: a host short of CPU must not turn the index's test into
+    # one of the index-down fallback (load alone decides, so the first worker gets it).
     policy = by_index(f"http://127.0.0.1:{index.server_port}", timeout_s=60.0)
     router = Router(backends, policy, {f"t{i}": i for i in range(200)}).start()
     try:
         answers = [_post(router.url, {"prompt": "t1 t2 t3"}) for _ in range(3)]
     finally:
         router.stop()
-    assert {x["server"] for x in answers} == {b.server_port}
+    return {x["server"] for x in answers}, router
+
+
+def test_the_index_policy_sends_a_prompt_to_the_worker_holding_its_prefix(servers) -> None:
+    served, router = _served_by_index(servers)
+    assert served == {servers[1].server_port}
     assert router.tokens_of({"prompt": "t1 t2 x t3"}) == [1, 2, 3]
 
 
 def test_with_the_index_down_load_alone_decides(servers) -> None:
-    a, b, index = servers
-    backends = [("127.0.0.1", a.server_port), ("127.0.0.1", b.server_port)]
+    index = servers[2]
     index.shutdown()
     index.server_close()  # nothing listens there any more: the query is refused
-    policy = by_index(f"http://127.0.0.1:{index.server_port}", timeout_s=60.0)
-    router = Router(backends, policy, {f"t{i}": i for i in range(200)}).start()
-    try:
-        answers = [_post(router.url, {"prompt": "t1 t2 t3"}) for _ in range(3)]
-    finally:
-        router.stop()
+    served, _ = _served_by_index(servers)
     # One request at a time: no load anywhere, so the tie goes to the first worker.
-    assert {x["server"] for x in answers} == {a.server_port}
+    assert served == {servers[0].server_port}
 
 
 @pytest.mark.vllm
