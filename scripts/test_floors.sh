@@ -3,13 +3,12 @@
 # lmcache-svc (the base ones and the server extras) at the lowest version pyproject.toml
 # allows (scripts/lib/floor_constraints.py pins each to its floor: pip has no
 # lowest-versions resolution), on Python 3.11 (requires-python's floor), and the unit tests
-# run in it. Not run here: vLLM, deploy and GPU tests (also those elsewhere marked vllm:
-# the events tests that start engines, whose sidecars are covered by the unit tests here),
-# the benchmarks' quick modes and the
-# KVCacheMemory API (they need torch, transformers or vLLM, whose versions their own venvs
-# pin), the generated-code check (grpcio-tools is pinned) and the skip check's own tests
-# (pytest's, not the dependencies'). The test tools (pytest,
-# httpx, schemathesis, safetensors) are not floors: they install at their newest.
+# run in it. Not run here: vLLM, deploy and GPU tests, the tests marked vllm elsewhere (the
+# events tests that start engines; their sidecars' code is covered by the unit tests here),
+# the benchmarks' quick modes and the KVCacheMemory API (they need torch, transformers or
+# vLLM, whose versions their own venvs pin), the generated-code check (grpcio-tools is
+# pinned) and the skip check's own tests (pytest's, not the dependencies'). The test tools
+# (pytest, httpx, schemathesis, safetensors) are not floors: they install at their newest.
 #
 # Usage: scripts/test_floors.sh [pytest args]     (scripts/test.sh runs it; VENV, PYTHON)
 set -euo pipefail
