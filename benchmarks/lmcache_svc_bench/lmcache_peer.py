@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from lmcache_svc_bench.held_signals import start_process
 from lmcache_svc_bench.procs import free_port
 
 LMCACHE_VERSION = "0.5.6"
@@ -69,7 +70,7 @@ def ensure_venv(progress: Callable[[str], None], venv: Path | None = None) -> Pa
     progress(
         f"LMCache {LMCACHE_VERSION} venv: {venv} (scripts/setup_lmcache.sh; first time ~2 min)"
     )
-    proc = subprocess.Popen(
+    proc = start_process(
         ["bash", str(script)],
         env={**os.environ, "VENV": str(venv)},
         stdout=subprocess.PIPE,
@@ -143,7 +144,7 @@ class LMCacheServer:
             "--supported-transfer-mode", "auto", "--shm-name", self.shm_name,
         ]  # fmt: skip
         with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen(
+            self.proc = start_process(
                 cmd,
                 stdout=log,
                 stderr=subprocess.STDOUT,

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from lmcache_svc_bench.held_signals import start_process
 from lmcache_svc_bench.procs import free_port
 
 REDIS_SERVER = "redis-server"
@@ -134,7 +135,7 @@ def _spawn(tmpdir: Path, port: int, extra_args: Sequence[str]) -> RedisProc:
         "--appendonly", "no", "--dir", str(workdir), "--protected-mode", "yes",
         "--logfile", str(log_path), *extra_args,
     ]  # fmt: skip
-    process = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
+    process = start_process(args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
     atexit.register(_kill_quietly, process)  # a safety net if the caller never stops it
     return RedisProc(port, process, log_path)
 

@@ -248,24 +248,30 @@ def write_report(report: Report, outcomes: list[Outcome], cost: StoreCost) -> No
 def _start_indexer(ctx: BenchContext, endpoints: list[str]) -> tuple[Any, str]:
     import subprocess
 
+    from lmcache_svc_bench.held_signals import start_process
     from lmcache_svc_bench.procs import free_port
 
     port = free_port()
     workers = ",".join(f"{i + 1}={e}" for i, e in enumerate(endpoints))
     log = open(ctx.work_dir / f"dynamo-{port}.log", "wb")  # noqa: SIM115 - the child owns it
-    proc = subprocess.Popen(
+    proc = start_process(
         [str(DYNAMO_PYTHON), "-m", "dynamo.indexer", "--block-size", "128",
          "--port", str(port), "--threads", "1", "--workers", workers],
         stdout=log, stderr=subprocess.STDOUT,
     )  # fmt: skip
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        try:
-            _post(url + "/query", {"token_ids": [1], "model_name": "default"})
-            return proc, url
-        except OSError:
-            time.sleep(0.2)
+    try:  # Ctrl-C while it starts must not leave it running
+        while time.monotonic() < deadline:
+            try:
+                _post(url + "/query", {"token_ids": [1], "model_name": "default"})
+                return proc, url
+            except OSError:
+                time.sleep(0.2)
+    except BaseException:
+        proc.kill()
+        proc.wait()
+        raise
     proc.terminate()
     raise RuntimeError("dynamo.indexer did not start")
 

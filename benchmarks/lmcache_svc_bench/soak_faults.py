@@ -16,6 +16,7 @@ import sys
 import time
 from pathlib import Path
 
+from lmcache_svc_bench.held_signals import start_process
 from lmcache_svc_bench.procs import ServerProc, free_port, start_server
 from lmcache_svc_bench.redis_procs import RedisProc, redis_server_path, start_redis
 
@@ -147,7 +148,7 @@ def spawn_worker(
     if memories is not None:
         cmd += ["--memories", memories, "--http-url", http_url]
     log = open(out.with_suffix(".log"), "wb")  # noqa: SIM115 - the child owns it
-    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    return start_process(cmd, stdout=log, stderr=subprocess.STDOUT)
 
 
 class Victims:

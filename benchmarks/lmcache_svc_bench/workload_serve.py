@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from lmcache_svc_bench.held_signals import start_process
 from lmcache_svc_bench.procs import free_port
 from lmcache_svc_bench.vllm.engines import REPO, SITE, VLLM_PYTHON
 from lmcache_svc_bench.vllm_common import BENCH_ENV
@@ -67,7 +68,7 @@ class VllmServer:
         ]  # fmt: skip
         start = time.monotonic()
         with open(log_path, "wb") as log:
-            proc = subprocess.Popen(
+            proc = start_process(
                 cmd,
                 stdout=log,
                 stderr=subprocess.STDOUT,

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import signal
 import subprocess
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from types import FrameType
@@ -14,7 +15,7 @@ from typing import Any
 import pytest
 
 from lmcache_svc_bench import procs
-from lmcache_svc_bench.held_signals import held_signals
+from lmcache_svc_bench.held_signals import held_signals, start_process
 
 
 def _exit(signum: int, frame: FrameType | None) -> None:
@@ -74,3 +75,66 @@ def test_sigterm_as_the_server_process_starts_stops_it(
     assert proc.poll() is not None, "the server runs on after SIGTERM"
     socket_path = proc.args[proc.args.index("--socket") + 1]
     assert not Path(socket_path).parent.exists()  # its directory removed
+
+
+def _popen_then(
+    signum: signal.Signals, started: list[subprocess.Popen[bytes]], ready: Path | None = None
+) -> Any:
+    """``subprocess.Popen`` that raises ``signum`` before it returns, once ``ready`` exists."""
+    real_popen = subprocess.Popen
+
+    def popen(*args: Any, **kwargs: Any) -> subprocess.Popen[bytes]:
+        proc = real_popen(*args, **kwargs)
+        started.append(proc)
+        deadline = time.monotonic() + 30
+        while ready is not None and not ready.exists() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        signal.raise_signal(signum)
+        return proc
+
+    return popen
+
+
+def test_a_signal_as_start_process_starts_a_child_kills_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    started: list[subprocess.Popen[bytes]] = []
+    monkeypatch.setattr(subprocess, "Popen", _popen_then(signal.SIGINT, started))
+    with pytest.raises(KeyboardInterrupt):
+        start_process(["sleep", "60"])
+    (proc,) = started
+    assert proc.returncode == -signal.SIGKILL, "the child runs on after Ctrl-C"
+
+
+def test_a_child_in_a_session_of_its_own_is_killed_with_its_children(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pid_file = tmp_path / "grandchild.pid"
+    started: list[subprocess.Popen[bytes]] = []
+    monkeypatch.setattr(subprocess, "Popen", _popen_then(signal.SIGINT, started, pid_file))
+    script = f"sleep 60 & echo $! > {pid_file}.tmp && mv {pid_file}.tmp {pid_file}; wait"
+    with pytest.raises(KeyboardInterrupt):
+        start_process(["sh", "-c", script], start_new_session=True)
+    grandchild = int(pid_file.read_text())
+    deadline = time.monotonic() + 10
+    while _alive(grandchild) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _alive(grandchild), "the child's own child runs on after Ctrl-C"
+
+
+def test_without_a_signal_start_process_returns_the_running_child() -> None:
+    proc = start_process(["sleep", "60"])
+    try:
+        assert proc.poll() is None
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def _alive(pid: int) -> bool:
+    """True while ``pid`` runs (a zombie, reaped by init in time, counts as gone)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return state != "Z"
