@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import pytest
@@ -250,6 +250,40 @@ def test_fixed_cost_is_the_median_of_the_per_query_differences(tmp_path: Path) -
     assert "paired median of 3 queries" in target.name and target.met
     ttft = report.tables[0]
     assert dict(zip(ttft.columns, ttft.rows[0]))["b - c, paired ms"] == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize(
+    ("model", "a_ms", "judged"),
+    [("tiny", 50.0, True), ("tiny", 700.0, False), ("medium", 700.0, True)],
+)
+def test_a_slow_hosts_ratios_are_not_judged(
+    tmp_path: Path, model: str, a_ms: float, judged: bool
+) -> None:
+    """750 tokens in 50 ms (15,000 tokens/s) is a fast host for the tiny model; in 700 ms
+    (1,071 tokens/s) a host whose forward pass would hide a hit's fixed cost in the ratios,
+    whose (b) would meet them there. The medium model has no floor."""
+    cell = (583, 167)
+
+    def samples(served: int, ms: float) -> list[Sample]:
+        return [Sample(ms / 1e3, [1], served)] * 3
+
+    results = {
+        "a": {cell: samples(0, a_ms)},
+        "b": {cell: samples(512, a_ms / 2)},
+        "c": {cell: samples(512, a_ms / 2)},
+        "d": {cell: samples(512, a_ms / 2)},
+    }
+    report = Report("ttft", "quick")
+    p = replace(params(_ctx(tmp_path)), model=model)
+    write_report(report, p, results, tmp_path, kv_bytes_per_token=1000, gbps=10.0)
+    ratios = [t for t in report.targets if "TTFT / (c)" in t.name or "TTFT / (d)" in t.name]
+    assert len(ratios) == 2
+    for target in ratios:
+        assert target.value == pytest.approx(1.0)
+        assert target.met is judged
+        assert ("1,071 tokens/s" in target.not_evaluated) is not judged
+    fixed = next(t for t in report.targets if "beyond the memcpy time" in t.name)
+    assert not fixed.not_evaluated  # a difference: a slow prefill does not hide it
 
 
 def test_pairs_need_as_many_samples_on_both_sides() -> None:
