@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from lmcache_svc_bench.held_signals import held_signals
+from lmcache_svc_bench.held_signals import start_process
 
 
 def free_port() -> int:
@@ -139,15 +139,9 @@ def start_server(
     run_env.setdefault("PYTHONUNBUFFERED", "1")
     server: ServerProc | None = None
     try:
-        with held_signals():  # a Ctrl-C or SIGTERM meanwhile raises here, the handle held
-            with open(log_path, "wb") as log:
-                proc = subprocess.Popen(
-                    cmd,
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                    env=run_env,
-                )
-            server = ServerProc(proc, workdir, log_path)
+        with open(log_path, "wb") as log:  # a Ctrl-C or SIGTERM meanwhile: killed, raised
+            proc = start_process(cmd, stdout=log, stderr=subprocess.STDOUT, env=run_env)
+        server = ServerProc(proc, workdir, log_path)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if ready_file.exists():

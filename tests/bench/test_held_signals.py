@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import signal
 import subprocess
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from types import FrameType
@@ -16,6 +15,7 @@ import pytest
 
 from lmcache_svc_bench import procs
 from lmcache_svc_bench.held_signals import held_signals, start_process
+from tests.helpers import process_state, wait_until
 
 
 def _exit(signum: int, frame: FrameType | None) -> None:
@@ -60,15 +60,7 @@ def test_sigterm_as_the_server_process_starts_stops_it(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     started: list[subprocess.Popen[bytes]] = []
-    real_popen = subprocess.Popen
-
-    def popen_then_sigterm(*args: Any, **kwargs: Any) -> subprocess.Popen[bytes]:
-        proc = real_popen(*args, **kwargs)
-        started.append(proc)
-        signal.raise_signal(signal.SIGTERM)  # the signal lands before Popen returns
-        return proc
-
-    monkeypatch.setattr(procs.subprocess, "Popen", popen_then_sigterm)
+    monkeypatch.setattr(subprocess, "Popen", _popen_then(signal.SIGTERM, started))
     with pytest.raises(SystemExit):
         procs.start_server(tmp_path)
     (proc,) = started
@@ -80,15 +72,15 @@ def test_sigterm_as_the_server_process_starts_stops_it(
 def _popen_then(
     signum: signal.Signals, started: list[subprocess.Popen[bytes]], ready: Path | None = None
 ) -> Any:
-    """``subprocess.Popen`` that raises ``signum`` before it returns, once ``ready`` exists."""
+    """``subprocess.Popen`` that raises ``signum`` before it returns (once ``ready`` exists):
+    the signal lands while the child starts."""
     real_popen = subprocess.Popen
 
     def popen(*args: Any, **kwargs: Any) -> subprocess.Popen[bytes]:
         proc = real_popen(*args, **kwargs)
         started.append(proc)
-        deadline = time.monotonic() + 30
-        while ready is not None and not ready.exists() and time.monotonic() < deadline:
-            time.sleep(0.01)
+        if ready is not None:
+            wait_until(ready.exists, 30, f"{ready} written by the child")
         signal.raise_signal(signum)
         return proc
 
@@ -116,10 +108,8 @@ def test_a_child_in_a_session_of_its_own_is_killed_with_its_children(
     with pytest.raises(KeyboardInterrupt):
         start_process(["sh", "-c", script], start_new_session=True)
     grandchild = int(pid_file.read_text())
-    deadline = time.monotonic() + 10
-    while _alive(grandchild) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not _alive(grandchild), "the child's own child runs on after Ctrl-C"
+    # gone, or a zombie until init reaps it
+    wait_until(lambda: process_state(grandchild) in (None, "Z"), 10, "the child's child ending")
 
 
 def test_without_a_signal_start_process_returns_the_running_child() -> None:
@@ -129,12 +119,3 @@ def test_without_a_signal_start_process_returns_the_running_child() -> None:
     finally:
         proc.kill()
         proc.wait()
-
-
-def _alive(pid: int) -> bool:
-    """True while ``pid`` runs (a zombie, reaped by init in time, counts as gone)."""
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (FileNotFoundError, ProcessLookupError):
-        return False
-    return state != "Z"

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from lmcache_svc_bench.held_signals import held_signals
+from lmcache_svc_bench.held_signals import start_process
 
 REPO = Path(__file__).resolve().parents[3]
 RUNNER = Path(__file__).with_name("engine_runner.py")
@@ -127,18 +127,17 @@ class EngineProc:
         log_path = log_dir / f"engine-{name}.log"
         engine: EngineProc | None = None
         try:
-            with held_signals():  # a Ctrl-C or SIGTERM meanwhile raises here, the handle held
-                proc = subprocess.Popen(
-                    args,
-                    stdin=subprocess.PIPE,
-                    stdout=subprocess.PIPE,
-                    stderr=open(log_path, "w"),  # noqa: SIM115 - the child owns it
-                    text=True,
-                    env=run_env,
-                    start_new_session=True,
-                )
-                engine = cls(name, proc, log_path)
-                threading.Thread(target=engine._read_answers, daemon=True).start()
+            proc = start_process(  # a Ctrl-C or SIGTERM meanwhile: killed, raised
+                args,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=open(log_path, "w"),  # noqa: SIM115 - the child owns it
+                text=True,
+                env=run_env,
+                start_new_session=True,
+            )
+            engine = cls(name, proc, log_path)
+            threading.Thread(target=engine._read_answers, daemon=True).start()
             ready = engine._next_answer(STARTUP_TIMEOUT_S)
         except BaseException:  # a failed or interrupted start must not leave a process
             if engine is not None:
