@@ -300,6 +300,34 @@ def test_a_control_pair_off_zero_leaves_the_targets_not_evaluated() -> None:
     assert all(t.met and not t.not_evaluated for t in report.targets)
 
 
+def test_outside_the_forward_pass_the_layers_spread_leaves_the_hooks_cost() -> None:
+    # (cn) and (b) on the same five queries: the layers take 10-50 ms in turn, alike on
+    # both engines only by chance; outside them (b) takes 0.5 ms more on every query.
+    def marks(forward_ms: float, outside_ms: float) -> list[tuple[float, str]]:
+        at = outside_ms - 1.0  # the phases before the layers; the output phase 1 ms
+        return [
+            (0.2, "get_num_new_matched_tokens>"), (0.4, "build_connector_meta>"),
+            (0.6, "bind_connector_metadata>"), (at, "wait_for_layer_load>"),
+            (at + forward_ms, "wait_for_save>"), (at + forward_ms + 1.0, "ttft.first"),
+        ]  # fmt: skip
+
+    def runs(forwards: list[float], outside_ms: float) -> list[Sample]:
+        return [_sample(f + outside_ms, 512, marks(f, outside_ms)) for f in forwards]
+
+    cn = runs([10.0, 20.0, 30.0, 40.0, 50.0], 3.0)
+    b = runs([50.0, 10.0, 40.0, 20.0, 30.0], 3.5)
+    b.append(_sample(99.0, 512, []))  # no marks: no pair
+    cp = [_sample(25.0, 512, [])] * 6  # no marks at all: no row
+    report = Report("hitcost", "full")
+    hitcost._outside_forward(report, {"cn": {583: cn}, "cp": {583: cp}, "b": {583: b}})
+    (table,) = report.tables
+    ((context, engine, outside, gap, interval, p25, p75, pairs),) = table.rows
+    assert (context, engine, pairs) == (583, "(b)", 5)
+    assert outside == pytest.approx(3.5)
+    assert (gap, p25, p75) == pytest.approx((0.5, 0.5, 0.5))
+    assert interval == "0.50 to 0.50"  # whole TTFTs paired: -39.5 to +40.5 ms
+
+
 def test_the_copy_table_puts_the_engines_copy_next_to_both_baselines() -> None:
     report = _report_of(47.5)
     table = report.tables[-1]
@@ -327,7 +355,7 @@ def test_quick_mode_end_to_end(tmp_path: Path) -> None:
     if not VLLM_PYTHON.exists():
         pytest.skip(f"{VLLM_PYTHON} is missing: run scripts/setup_vllm.sh first")
     report = run_benchmark("hitcost", quick=True, out_dir=tmp_path)
-    ttfts, phases, copies = report.tables
+    ttfts, phases, outside, copies = report.tables
     assert [(r[0], r[1]) for r in ttfts.rows] == [
         (583, "(c)"),
         (583, "(cn)"),
@@ -341,6 +369,10 @@ def test_quick_mode_end_to_end(tmp_path: Path) -> None:
     assert [r[1] for r in phases.rows] == ["(cn)", "(cp)", "(b)"]
     for row in phases.rows:
         assert all(v >= 0 for v in row[2:]) and sum(row[2:-1]) <= row[-1] + 1
+    assert [(r[0], r[1], r[-1]) for r in outside.rows] == [(583, "(cp)", 2), (583, "(b)", 2)]
+    for row, phase_row in zip(outside.rows, phases.rows[1:]):
+        # TTFT less the forward pass: the phase table's other phases, query by query.
+        assert 0 < row[2] < phase_row[-1] and math.isfinite(row[3])
     ((context, loaded_mb, engine, warm, cold, low, high),) = copies.rows
     assert (context, loaded_mb) == (583, 512 * 2048 / 1e6)
     assert all(math.isfinite(v) and v > 0 for v in (engine, warm, cold))
