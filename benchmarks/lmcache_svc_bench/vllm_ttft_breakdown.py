@@ -6,8 +6,9 @@ each connector hook's entry and exit and the phases inside the load and the save
 request's marks (``Sample.marks``, up to its first token) this module takes:
 
 - steps: ``step()`` calls up to the first token (a deferred lookup costs one more);
-- lookup: from the scheduler's first ``get_num_new_matched_tokens`` to the lookup
-  thread's answer; deferred: scheduler steps that went on without it;
+- lookup: from the scheduler's first ``get_num_new_matched_tokens`` to the answer (given
+  inside that hook where the server's lookup index can tell, else by the lookup thread);
+  deferred: scheduler steps that went on without it;
 - load: ``start_load_kv``, split into finding the chunks (the lease, a ``prepare_load``
   round trip, or, reading in place, the lookup index; both after a read in place that had
   to be redone) and the copies into vLLM's blocks (a load copied beside the forward pass,
@@ -193,8 +194,10 @@ def breakdown_table(
     table.notes += [
         "From the time marks of the runner and the plugin (trace.py), up to the first token; "
         "each column the median over the cell's queries (so the parts need not add up).",
-        "lookup: the scheduler's first get_num_new_matched_tokens to the lookup thread's "
-        "answer (off the engine's path unless it is deferred). load: start_load_kv, finding "
+        "lookup: the scheduler's first get_num_new_matched_tokens to the answer: on the "
+        "scheduler's thread, inside that hook (so also in other hooks), where the server's "
+        "lookup index answers (same host); else on the lookup thread, off the engine's path "
+        "unless it is deferred. load: start_load_kv, finding "
         "the chunks (the lease, prepare_load, or reading in place the lookup index) then the "
         "copies into vLLM's blocks (copied beside the forward pass: the hand-over and the "
         "forward pass's waits for the layers). save: wait_for_save, the wait for "
