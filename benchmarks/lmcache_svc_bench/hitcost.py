@@ -256,10 +256,7 @@ def _write(
                 context,
                 f"({name})",
                 median([s.ttft_s * 1e3 for s in runs]),
-                gap.median,
-                f"{gap.low:.2f} to {gap.high:.2f}",
-                percentile(gap.diffs, 25),
-                percentile(gap.diffs, 75),
+                *_gap_cells(gap),
                 median([float(s.num_cached_tokens) for s in runs]),
             )
             if name == "b":
@@ -325,7 +322,7 @@ def _outside_forward(report: Report, samples: dict[str, dict[int, list[Sample]]]
             pairs = [
                 (outside, base)
                 for outside, base in zip(
-                    map(_outside_ms, runs), map(_outside_ms, samples["cn"].get(context, []))
+                    map(_outside_ms, runs), map(_outside_ms, samples["cn"][context]), strict=True
                 )
                 if outside is not None and base is not None
             ]
@@ -336,10 +333,7 @@ def _outside_forward(report: Report, samples: dict[str, dict[int, list[Sample]]]
                 context,
                 f"({name})",
                 median([outside for outside, _ in pairs]),
-                gap.median,
-                f"{gap.low:.2f} to {gap.high:.2f}",
-                percentile(gap.diffs, 25),
-                percentile(gap.diffs, 75),
+                *_gap_cells(gap),
                 len(pairs),
             )
     table.notes += [
@@ -348,6 +342,12 @@ def _outside_forward(report: Report, samples: dict[str, dict[int, list[Sample]]]
         "runs before the layers (loads under the plugin's overlap_load_min_bytes) and not "
         "when it runs beside them: the layers' waits for it fall in the forward phase.",
     ]
+
+
+def _gap_cells(gap: Gap) -> list[object]:
+    """A paired gap's table cells: its median, the median's interval, the quartiles."""
+    low_high = f"{gap.low:.2f} to {gap.high:.2f}"
+    return [gap.median, low_high, percentile(gap.diffs, 25), percentile(gap.diffs, 75)]
 
 
 def _outside_ms(sample: Sample) -> float | None:
