@@ -59,8 +59,10 @@ A miss is final only when the table is complete: ``FLAG_INCOMPLETE`` (overflow) 
 ``FLAG_LOWER_TIERS`` (the server has tiers below the arena, whose chunks are hits for
 ``Lookup`` but are not indexed here) make a short answer ``None``, and the client asks the
 server. ``FLAG_CLOSED``: the server stopped; nothing here is current any more. A server
-that was killed cannot say so: the reader then finds the segment's lock (held by the server
-for its lifetime, as the arena's is) free, and answers nothing either. A server that hangs
+that was killed cannot say so: its clients' sessions end, after which they read none of its
+tables, and a read in place (``locate``, ``placed``) finds the segment's lock (held by the
+server for its lifetime, as the arena's is) free and reads nothing (a lookup does not ask
+for the lock: a system call on every cold lookup). A server that hangs
 (SIGSTOP, a stuck process) stops stamping its heartbeat; ``STALE_S`` later its tables
 answer nothing and the client's gRPC Lookup meets its deadline, as without the index.
 """

@@ -15,6 +15,7 @@ import pytest
 
 from lmcache_svc.client import CacheClient
 from lmcache_svc.client.session import Session
+from lmcache_svc.keys import KVLayout, Namespace
 from lmcache_svc_bench.procs import ServerProc, start_server
 from tests.helpers import wait_until
 
@@ -40,6 +41,26 @@ def test_a_session_ends_when_its_server_is_killed(server: ServerProc) -> None:
         session = _open_session(client)
         os.kill(server.proc.pid, signal.SIGKILL)
         wait_until(lambda: not session.alive, 10, "the session's end")
+
+
+def test_once_the_session_ends_no_lookup_reads_the_killed_server_s_index(
+    server: ServerProc,
+) -> None:
+    """The index's tables of a killed server are not read for lookups: its lock is not
+    asked for on a lookup (``IndexReader.lookup``), the session's end keeps them off."""
+    namespace = Namespace(
+        model="m", layout=KVLayout("uint8", 1, 1, 128, 16, "test"), chunk_size=256
+    )
+    hashes = [bytes([i]) * 32 for i in range(2)]
+    with CacheClient(server.socket, local_lookup=True) as client:
+        ns_id = client.register_namespace(namespace)
+        assert client.store(ns_id, hashes, [bytes(namespace.chunk_bytes)] * 2) == 2
+        session = _open_session(client)
+        wait_until(lambda: client.lookup_local(ns_id, hashes) is not None, 10, "the index")
+        assert client.lookup_local(ns_id, hashes).num_hit_chunks == 2  # type: ignore[union-attr]
+        os.kill(server.proc.pid, signal.SIGKILL)
+        wait_until(lambda: not session.alive, 10, "the session's end")
+        assert client.lookup_local(ns_id, hashes) is None
 
 
 def test_a_session_ends_when_its_server_stops(server: ServerProc) -> None:

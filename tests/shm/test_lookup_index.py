@@ -253,8 +253,11 @@ def test_reader_racing_writer_never_reports_an_absent_key() -> None:
     assert answered[0] > 1000  # the seqlock rarely gives up
 
 
-def test_a_killed_server_s_table_answers_nothing() -> None:
-    """A server killed by SIGKILL never marks its table closed; its lock goes with it."""
+def test_a_killed_server_s_table_is_not_read_in_place() -> None:
+    """A server killed by SIGKILL never marks its table closed; its lock goes with it, and
+    with the lock no chunk is located or placed for a read in place. A lookup still answers
+    from the table (it does not ask for the lock): the client's session, which the kill
+    ends, keeps lookups off it (``tests/server/test_lookup_index.py``)."""
     seg = IndexSegment("acme", "cpu", "host_memory", 64)
     reader = _reader(seg)
     h = random.Random(6).randbytes(32)
@@ -272,8 +275,10 @@ def test_a_killed_server_s_table_answers_nothing() -> None:
     os.close(seg._fd)  # noqa: SLF001
     seg._fd = -1  # noqa: SLF001
     try:
-        assert reader.lookup(NS, [h]) is None
+        assert reader.locate(NS, [h]) is None
         assert reader.placed(NS, [h], placement) is None  # a lookup's placement from before
+        answer = reader.lookup(NS, [h])
+        assert answer is not None and answer.num_hit_chunks == 1
     finally:
         os.unlink(f"/dev/shm/{seg.name}")
 
