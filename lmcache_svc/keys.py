@@ -286,8 +286,17 @@ def chunk_hashes(
     Only full chunks get a hash unless ``include_partial`` is set: the server stores full
     chunks of exactly ``namespace.chunk_bytes``.
     """
+    return chunk_hashes_packed(
+        namespace, pack_token_ids(token_ids), include_partial=include_partial
+    )
+
+
+def chunk_hashes_packed(
+    namespace: Namespace, packed_token_ids: bytes, *, include_partial: bool = False
+) -> list[ChunkHash]:
+    """``chunk_hashes`` of token ids already packed as ``pack_token_ids`` does."""
     size = namespace.chunk_size
-    packed = memoryview(pack_token_ids(token_ids))
+    packed = memoryview(packed_token_ids)
     num_tokens = len(packed) // 4
     end = 4 * (num_tokens if include_partial else num_tokens - num_tokens % size)
     parent: bytes = namespace.namespace_id

@@ -7,17 +7,16 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import numpy as np
-
 from lmcache_svc.client.events import ChunkTokens
 from lmcache_svc_vllm.metadata import SavePlan
 
 
 def describe_save(
-    token_ids: Sequence[int], hashes: Sequence[Sequence[bytes]], start: int, end: int, chunk: int
+    packed_tokens: bytes, hashes: Sequence[Sequence[bytes]], start: int, end: int, chunk: int
 ) -> tuple[bytes, tuple[bytes, ...]]:
-    """``SavePlan.token_ids`` and ``parent_hashes`` for chunks ``[start, end)``."""
-    tokens = np.asarray(token_ids[start * chunk : end * chunk], dtype="<u4").tobytes()
+    """``SavePlan.token_ids`` and ``parent_hashes`` for chunks ``[start, end)``, from the
+    prompt's token ids packed as ``keys.pack_token_ids`` does (little-endian uint32)."""
+    tokens = packed_tokens[4 * start * chunk : 4 * end * chunk]
     return tokens, tuple(h[start - 1] if start else b"" for h in hashes)
 
 

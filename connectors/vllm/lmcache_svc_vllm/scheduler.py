@@ -31,7 +31,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lmcache_svc.client import LookupResult
-from lmcache_svc.keys import Namespace, chunk_hashes
+from lmcache_svc.errors import InvalidArgument
+from lmcache_svc.keys import Namespace, chunk_hashes_packed, pack_token_ids
 from lmcache_svc.results import Placement
 from lmcache_svc_vllm import trace
 from lmcache_svc_vllm.config import ConnectorConfig
@@ -60,7 +61,7 @@ class RequestState:
     """What the scheduler half remembers about one live request."""
 
     num_prompt_tokens: int
-    token_ids: list[int] = field(default_factory=list)  # the prompt's (for KV events)
+    tokens: bytes = b""  # the prompt's token ids, packed (keys.pack_token_ids)
     asked: bool = False  # hashed and looked up (not while vLLM's own hit covers the cap)
     pending: Future[LookupAnswer] | None = None
     started: float = 0.0
@@ -139,10 +140,10 @@ class SchedulerSide:
 
     def _new_state(self, request: Any) -> RequestState | None:
         """A request's state, or None when tokens alone do not determine its KV."""
-        token_ids = _cacheable_prompt(request)
-        if token_ids is None:
+        tokens = _cacheable_prompt(request)
+        if tokens is None:
             return None
-        return RequestState(len(token_ids), token_ids)
+        return RequestState(len(tokens) // 4, tokens)
 
     def _cap(self, state: RequestState) -> int:
         """The most tokens a hit may cover: whole chunks, at least one token left to compute."""
@@ -156,7 +157,7 @@ class SchedulerSide:
         state.asked, state.started = True, time.monotonic()
         if state.num_prompt_tokens < self.chunk_size:
             return
-        hashes = self._hash(state.token_ids)
+        hashes = self._hash(state.tokens)
         start = time.perf_counter()
         local = self.link.lookup_local(hashes[0])
         if local is not None:
@@ -171,14 +172,14 @@ class SchedulerSide:
         chunks it holds already, which are not saved again (without the index the server
         answers "already stored" for them)."""
         state.asked = True
-        state.hashes = self._hash(state.token_ids)
+        state.hashes = self._hash(state.tokens)
         local = self.link.lookup_local(state.hashes[0])
         if local is not None:
             state.num_saved_chunks = local.num_hit_chunks
 
-    def _hash(self, token_ids: list[int]) -> Hashes:
+    def _hash(self, tokens: bytes) -> Hashes:
         """The prompt's full chunks' hashes, for every tensor-parallel rank."""
-        hashes = tuple(tuple(chunk_hashes(ns, token_ids)) for ns in self.namespaces)
+        hashes = tuple(tuple(chunk_hashes_packed(ns, tokens)) for ns in self.namespaces)
         trace.mark("lookup.hashed")
         return hashes
 
@@ -332,7 +333,7 @@ class SchedulerSide:
         parents: tuple[bytes, ...] = ()
         if self.link.events_source() is not None:  # the server announces them: describe
             tokens, parents = describe_save(
-                state.token_ids, state.hashes, start, num_full, self.chunk_size
+                state.tokens, state.hashes, start, num_full, self.chunk_size
             )
         return SavePlan(
             req_id=req_id,
@@ -380,13 +381,18 @@ class SchedulerSide:
         self.link.close()
 
 
-def _cacheable_prompt(request: Any) -> list[int] | None:
-    """The prompt's token ids, or None when tokens alone do not determine its KV."""
+def _cacheable_prompt(request: Any) -> bytes | None:
+    """The prompt's token ids packed once, for its hashes and its saves' KV events (a copy
+    of the list, then packing it, cost a cold lookup twice the reads of the ids); None
+    when tokens alone do not determine its KV (or an id is not a uint32)."""
     if request.prompt_token_ids is None or getattr(request, "prompt_embeds", None) is not None:
         return None
     if request.mm_features or request.lora_request is not None or request.cache_salt:
         return None
-    return list(request.prompt_token_ids)
+    try:
+        return pack_token_ids(request.prompt_token_ids)
+    except InvalidArgument:
+        return None
 
 
 def _continuing_requests(scheduler_output: Any) -> list[tuple[str, int]]:
