@@ -196,6 +196,7 @@ def test_requests_whose_kv_is_not_a_function_of_tokens_are_skipped(server: Serve
         request("salted", prompt, cache_salt="user-1"),
         request("lora", prompt, lora_request=object()),
         request("images", prompt, mm_features=[object()]),
+        request("not uint32", [*prompt[:-1], 2**32]),  # no key for it: skipped, not raised
     ):
         assert scheduler.get_num_new_matched_tokens(req, 0) == (0, False)
     assert stats.take() is None  # not even looked up
