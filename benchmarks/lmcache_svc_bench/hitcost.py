@@ -60,6 +60,7 @@ from lmcache_svc_bench.hitcost_copy import (
     copy_table,
     copy_targets,
     engine_cache_tokens,
+    outside_target,
 )
 from lmcache_svc_bench.procs import start_server
 from lmcache_svc_bench.report import Report
@@ -272,11 +273,13 @@ def _write(
         "hitting vLLM's own cache; (b) fresh engine, prefix cache off, loaded from the server.",
     ]
     _phases(report, samples)
-    _outside_forward(report, samples)
+    outside = _outside_forward(report, samples)
     loaded = {c: median([float(s.num_cached_tokens) for s in r]) for c, r in samples["b"].items()}
     engine_copies = {c: _median_copy_ms(r) for c, r in samples["b"].items()}
     warm, cold = copy_table(report, loaded, engine_copies, baselines)
     copy_targets(report, gaps, warm, cold, baselines, controls)
+    caller_copies = {c: median([_caller_copy_ms(s) for s in r]) for c, r in samples["b"].items()}
+    outside_target(report, outside, caller_copies)
 
 
 def _median_copy_ms(runs: Sequence[Sample]) -> float | None:
@@ -305,13 +308,15 @@ def _phases(report: Report, samples: dict[str, dict[int, list[Sample]]]) -> None
     ]
 
 
-def _outside_forward(report: Report, samples: dict[str, dict[int, list[Sample]]]) -> None:
-    """(cp) and (b) against (cn), query by query, with the layers taken out of both TTFTs.
+def _outside_forward(report: Report, samples: dict[str, dict[int, list[Sample]]]) -> dict[int, Gap]:
+    """(cp) and (b) against (cn), query by query, with the layers taken out of both TTFTs;
+    (b)'s gaps by context.
 
     The layers are the same work on every engine, and on a small host their time spreads
     by tens of milliseconds from one request to the next: more than the fixed cost. Less the
     forward phase, what remains of a TTFT is what the hooks and vLLM's handling around them
     take, which a no-op connector (cn) measures for vLLM alone."""
+    gaps: dict[int, Gap] = {}
     table = report.table(
         "Outside the forward pass, paired against (cn) (ms)",
         ["context", "engine", "TTFT less the forward pass", "minus (cn): median"]
@@ -329,6 +334,8 @@ def _outside_forward(report: Report, samples: dict[str, dict[int, list[Sample]]]
             if not pairs:
                 continue
             gap = Gap.of([outside - base for outside, base in pairs])
+            if name == "b":
+                gaps[context] = gap
             table.add(
                 context,
                 f"({name})",
@@ -342,6 +349,7 @@ def _outside_forward(report: Report, samples: dict[str, dict[int, list[Sample]]]
         "runs before the layers (loads under the plugin's overlap_load_min_bytes) and not "
         "when it runs beside them: the layers' waits for it fall in the forward phase.",
     ]
+    return gaps
 
 
 def _gap_cells(gap: Gap) -> list[object]:
@@ -353,6 +361,17 @@ def _gap_cells(gap: Gap) -> list[object]:
 def _outside_ms(sample: Sample) -> float | None:
     phases = _phase_times(sample)
     return None if phases is None else sample.ttft_s * 1e3 - phases[FORWARD]
+
+
+def _caller_copy_ms(sample: Sample) -> float:
+    """(b)'s copy when it ran in ``start_load_kv``, before the layers (so in the TTFT less
+    the forward pass); 0 when it ran beside them or there was none."""
+    copy = _copy_ms(sample)
+    located = first_mark(sample.marks, "load.located")
+    if copy is None or located is None:
+        return 0.0
+    returned = first_mark(sample.marks, "start_load_kv<", located)
+    return copy if returned is not None and located + copy <= returned else 0.0
 
 
 def _copy_ms(sample: Sample) -> float | None:

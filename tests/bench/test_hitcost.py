@@ -20,9 +20,11 @@ from lmcache_svc_bench.hitcost_copy import (
     bench_geometry,
     cold_copy_ms,
     engine_cache_tokens,
+    outside_target,
 )
 from lmcache_svc_bench.report import Report
 from lmcache_svc_bench.runner import BenchContext, run_benchmark
+from lmcache_svc_bench.stats import Gap
 from lmcache_svc_bench.vllm.bench_model import TINY
 from lmcache_svc_bench.vllm.engines import VLLM_PYTHON
 from lmcache_svc_bench.vllm.rounds import rotated, round_queries
@@ -329,6 +331,32 @@ def test_outside_the_forward_pass_the_layers_spread_leaves_the_hooks_cost() -> N
     assert interval == "0.50 to 0.50"  # whole TTFTs paired: -39.5 to +40.5 ms
 
 
+def test_the_hooks_cost_outside_the_layers_is_judged_beyond_the_copy_before_them() -> None:
+    # (b)'s copy ran in start_load_kv (before the layers: counted outside them) at 583,
+    # beside the layers at 6064 (not counted there, so no allowance for it).
+    def load_marks(copied_ms: float) -> list[tuple[float, str]]:
+        return [(4.0, "start_load_kv>"), (4.1, "load.located"), (4.1 + copied_ms, "load.copied")]
+
+    in_caller = _sample(50.0, 512, [*load_marks(0.3), (4.5, "start_load_kv<")])
+    beside = _sample(180.0, 6016, [*load_marks(1.4), (4.4, "start_load_kv<")])
+    assert hitcost._caller_copy_ms(in_caller) == pytest.approx(0.3)
+    assert hitcost._caller_copy_ms(beside) == 0.0
+    assert hitcost._caller_copy_ms(_sample(40.0, 512, [])) == 0.0  # no load at all
+    gaps = {583: Gap.of([1.2, 1.3, 1.3, 1.3, 1.4]), 6064: Gap.of([1.1, 1.2, 1.2, 1.2, 1.3])}
+    report = Report("hitcost", "full")
+    outside_target(report, gaps, {583: 0.3, 6064: 0.0})
+    (target,) = report.targets
+    assert target.name.startswith(
+        "(b) - (cn) outside the forward pass, paired median, beyond the copy that ran before "
+        "the layers (0.00 ms, (b)'s own, median), worst context (6064; 90% interval"
+    )
+    assert target.value == pytest.approx(1.2) and not target.met
+    assert target.why_missed.startswith("beyond the noise")
+    report = Report("hitcost", "full")
+    outside_target(report, {583: gaps[583]}, {583: 0.4})
+    assert report.targets[0].met and report.targets[0].value == pytest.approx(0.9)
+
+
 def test_the_copy_table_puts_the_engines_copy_next_to_both_baselines() -> None:
     report = _report_of(47.5)
     table = report.tables[-1]
@@ -379,6 +407,7 @@ def test_quick_mode_end_to_end(tmp_path: Path) -> None:
     assert all(math.isfinite(v) and v > 0 for v in (engine, warm, cold))
     assert low <= cold <= high
     assert len(report.data["copy_baselines"]["contexts"]["583"]["cold_copy_runs_ms"]) == 3
-    warm_target, cold_target = report.targets
+    warm_target, cold_target, outside_target = report.targets
     assert "memcpy" in warm_target.name and "cold copy" in cold_target.name
-    assert math.isfinite(warm_target.value) and math.isfinite(cold_target.value)
+    assert outside_target.name.startswith("(b) - (cn) outside the forward pass")
+    assert all(math.isfinite(t.value) for t in report.targets)
