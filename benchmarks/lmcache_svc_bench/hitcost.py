@@ -39,6 +39,8 @@ The layers' own time spreads from one request to the next by more than the fixed
 (tens of milliseconds at a 953-token query on a 2-vCPU host), and they are the same work
 with or without a connector. So (cp) and (b) are also paired against (cn) with each
 TTFT's forward phase taken out (``_outside_forward``): the hooks' cost without that spread.
+A third target weighs (b)'s against 1 ms, beyond (b)'s own copy where it ran before the
+layers (``outside_target``; a copy beside them is not in this measure, so it earns nothing).
 
 ``--set pretouch_loads=true`` turns the plugin's ``pretouch_loads`` on in (b) alone (its
 scheduler reads a page of the hit's chunks before the worker copies them), and ``--set
