@@ -368,18 +368,24 @@ def _outside_ms(sample: Sample) -> float | None:
 def _caller_copy_ms(sample: Sample) -> float:
     """(b)'s copy when it ran in ``start_load_kv``, before the layers (so in the TTFT less
     the forward pass); 0 when it ran beside them or there was none."""
-    copy = _copy_ms(sample)
-    located = first_mark(sample.marks, "load.located")
-    if copy is None or located is None:
+    span = _copy_span(sample)
+    if span is None:
         return 0.0
+    located, copied = span
     returned = first_mark(sample.marks, "start_load_kv<", located)
-    return copy if returned is not None and located + copy <= returned else 0.0
+    return copied - located if returned is not None and copied <= returned else 0.0
 
 
 def _copy_ms(sample: Sample) -> float | None:
+    span = _copy_span(sample)
+    return None if span is None else span[1] - span[0]
+
+
+def _copy_span(sample: Sample) -> tuple[float, float] | None:
+    """When (b)'s copy started (its chunks located) and ended, or None without a load."""
     located = first_mark(sample.marks, "load.located")
     copied = first_mark(sample.marks, "load.copied", located) if located is not None else None
-    return None if located is None or copied is None else copied - located
+    return None if located is None or copied is None else (located, copied)
 
 
 def _mark_timelines(samples: dict[str, dict[int, list[Sample]]]) -> dict[str, Any]:

@@ -15,9 +15,8 @@ import pytest
 
 from lmcache_svc.client import CacheClient
 from lmcache_svc.client.session import Session
-from lmcache_svc.keys import KVLayout, Namespace
 from lmcache_svc_bench.procs import ServerProc, start_server
-from tests.helpers import wait_until
+from tests.helpers import make_namespace, wait_until
 
 IDLE_S = 1.0
 
@@ -48,9 +47,7 @@ def test_once_the_session_ends_no_lookup_reads_the_killed_server_s_index(
 ) -> None:
     """The index's tables of a killed server are not read for lookups: its lock is not
     asked for on a lookup (``IndexReader.lookup``), the session's end keeps them off."""
-    namespace = Namespace(
-        model="m", layout=KVLayout("uint8", 1, 1, 128, 16, "test"), chunk_size=256
-    )
+    namespace = make_namespace()
     hashes = [bytes([i]) * 32 for i in range(2)]
     with CacheClient(server.socket, local_lookup=True) as client:
         ns_id = client.register_namespace(namespace)

@@ -257,7 +257,7 @@ def test_a_killed_server_s_table_is_not_read_in_place() -> None:
     """A server killed by SIGKILL never marks its table closed; its lock goes with it, and
     with the lock no chunk is located or placed for a read in place. A lookup still answers
     from the table (it does not ask for the lock): the client's session, which the kill
-    ends, keeps lookups off it (``tests/server/test_lookup_index.py``)."""
+    ends, keeps lookups off it (``tests/client/test_session.py``)."""
     seg = IndexSegment("acme", "cpu", "host_memory", 64)
     reader = _reader(seg)
     h = random.Random(6).randbytes(32)

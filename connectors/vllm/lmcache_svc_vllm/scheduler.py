@@ -60,8 +60,7 @@ class LookupAnswer:
 class RequestState:
     """What the scheduler half remembers about one live request."""
 
-    num_prompt_tokens: int
-    tokens: bytes = b""  # the prompt's token ids, packed (keys.pack_token_ids)
+    tokens: bytes  # the prompt's token ids, packed (keys.pack_token_ids)
     asked: bool = False  # hashed and looked up (not while vLLM's own hit covers the cap)
     pending: Future[LookupAnswer] | None = None
     started: float = 0.0
@@ -75,6 +74,10 @@ class RequestState:
     loaded_block_ids: tuple[int, ...] = ()
     loaded_first_chunk: int = 0
     loaded_first_block: int = 0
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.tokens) // 4
 
 
 class SchedulerSide:
@@ -143,7 +146,7 @@ class SchedulerSide:
         tokens = _cacheable_prompt(request)
         if tokens is None:
             return None
-        return RequestState(len(tokens) // 4, tokens)
+        return RequestState(tokens)
 
     def _cap(self, state: RequestState) -> int:
         """The most tokens a hit may cover: whole chunks, at least one token left to compute."""
