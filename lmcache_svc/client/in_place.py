@@ -14,28 +14,55 @@ recently used and the reads are counted.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 from lmcache_svc.client.session import Session
-from lmcache_svc.errors import InvalidArgument
 from lmcache_svc.keys import Namespace
 from lmcache_svc.results import Placement
+from lmcache_svc.shm.arena import ArenaMapping
 from lmcache_svc.shm.index_reader import IndexReader, Located
 
 
-@dataclass(frozen=True, slots=True)
 class InPlaceRead:
-    """Read-only views of the located chunks' bytes; copy them, then call ``unchanged``."""
+    """Read-only views of the located chunks' bytes; copy them, then call ``unchanged``.
 
-    buffers: list[memoryview]
-    reader: IndexReader
-    located: Located
+    The views are made when asked for: chunks that lie one after another in the arena (as a
+    step's saves leave them) are copied through one view (``span``). A view per chunk, each
+    made and checked, took 0.1 ms of a cold 47-chunk load, on the request's path."""
+
+    __slots__ = ("reader", "located", "offsets", "_mapping", "_chunk_bytes", "_buffers")
+
+    def __init__(
+        self, mapping: ArenaMapping, chunk_bytes: int, reader: IndexReader, located: Located
+    ) -> None:
+        self.reader = reader
+        self.located = located
+        self.offsets: list[int] = located.offsets
+        """Where each chunk starts in the session's arena (chunks one after another there
+        can be copied as one, told apart without asking each view for its address)."""
+        self._mapping = mapping
+        self._chunk_bytes = chunk_bytes
+        self._buffers: list[memoryview] | None = None
 
     @property
-    def offsets(self) -> list[int]:
-        """Where each view starts in the session's arena (chunks one after another there
-        can be copied as one, told apart without asking each view for its address)."""
-        return self.located.offsets
+    def num_chunks(self) -> int:
+        return len(self.offsets)
+
+    @property
+    def buffers(self) -> list[memoryview]:
+        """One view per chunk. Raises ``RuntimeError`` once the mapping is closed."""
+        if self._buffers is None:
+            length, view = self._chunk_bytes, self._mapping.view
+            self._buffers = [view(o, length, writable=False) for o in self.offsets]
+        return self._buffers
+
+    def span(self) -> memoryview | None:
+        """One view of all the chunks, in order, when each starts where the one before
+        ends; else None. Raises ``RuntimeError`` once the mapping is closed."""
+        offsets, length = self.offsets, self._chunk_bytes
+        first = offsets[0]
+        if offsets != list(range(first, first + len(offsets) * length, length)):
+            return None
+        return self._mapping.view(first, len(offsets) * length, writable=False)
 
     def unchanged(self) -> int:
         """How many leading chunks were not freed or rewritten since they were located: the
@@ -67,9 +94,8 @@ def read_in_place(
         located = reader.locate(ns_id, chunk_hashes)
     if located is None:
         return None
-    length = namespace.chunk_bytes
-    try:
-        views = [session.mapping.view(o, length, writable=False) for o in located.offsets]
-    except (InvalidArgument, RuntimeError):  # not this mapping's range, or it was closed
-        return None
-    return InPlaceRead(views, reader, located)
+    read = InPlaceRead(session.mapping, namespace.chunk_bytes, reader, located)
+    offsets, length = read.offsets, namespace.chunk_bytes
+    if not session.mapping.covers(min(offsets), max(offsets) + length - min(offsets)):
+        return None  # a location outside this mapping's slots
+    return read

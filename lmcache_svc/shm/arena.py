@@ -489,12 +489,16 @@ class ArenaMapping:
             mapping.prefault_done.set()
         return mapping
 
+    def covers(self, offset: int, length: int) -> bool:
+        """Whether ``[offset, offset + length)`` lies within the slots (after the header)."""
+        return HEADER_BYTES <= offset and 0 <= length and offset + length <= self.size
+
     def view(self, offset: int, length: int, *, writable: bool = True) -> memoryview:
         """View of ``[offset, offset + length)``, which must lie after the header: writable
         (a reserved slot) or read-only (a leased chunk)."""
         if self._mm is None:
             raise RuntimeError(f"mapping of {self.name!r} is closed")
-        if not (HEADER_BYTES <= offset and 0 <= length and offset + length <= self.size):
+        if not self.covers(offset, length):
             raise InvalidArgument(
                 f"range [{offset}, {offset}+{length}) is outside the slots of segment "
                 f"{self.name!r} ([{HEADER_BYTES}, {self.size}))"

@@ -166,6 +166,37 @@ def test_offsets_join_chunks_as_their_addresses_do_and_are_checked() -> None:
     assert len(plan([load(0, 9, 5 * n), load(1, 8)])) == 1
 
 
+@pytest.mark.parametrize("blocks_per_chunk", [1, BLOCKS_PER_CHUNK])
+def test_a_span_of_chunks_loads_as_its_chunks_do_into_blocks_up_or_down(
+    blocks_per_chunk: int,
+) -> None:
+    """``load_span``: whole chunks one after another in one view, into a run of blocks
+    counting up or down, land where the chunks' own loads put them; blocks that are not
+    one run (or not as many as the chunks have) are left to ``load``."""
+    pages = KVPages(make_pages(8)[0].layers, blocks_per_chunk)
+    arena, n = _arena(pages, 4, seed=8), pages.geometry.chunk_bytes
+    num_blocks = 3 * blocks_per_chunk
+    for ids in (tuple(range(num_blocks)), tuple(range(11, 11 - num_blocks, -1))):
+        want = [layer.clone() for layer in pages.layers]
+        reference = KVPages(want, blocks_per_chunk)
+        for i in range(3):
+            chunk = pages.chunk_tensor(_slot(arena, pages, 1 + i))
+            reference.copy_chunk_in(
+                chunk, 0, ids[i * blocks_per_chunk : (i + 1) * blocks_per_chunk]
+            )
+        mover = PageMover(pages, SyncStream(), gather="runs")
+        events = mover.load_span(arena[n : 4 * n].toreadonly(), ids)
+        assert events is not None
+        events.synchronize()
+        for got, expected in zip(pages.layers, want):
+            assert torch.equal(got, expected)
+    span = arena[n : 4 * n].toreadonly()
+    gap = (*range(num_blocks - 1), num_blocks)
+    assert PageMover(pages, SyncStream(), gather="runs").load_span(span, gap) is None
+    short = tuple(range(num_blocks - 1))
+    assert PageMover(pages, SyncStream(), gather="runs").load_span(span, short) is None
+
+
 @pytest.mark.parametrize("offsets", [False, True], ids=["by-address", "by-offset"])
 @pytest.mark.parametrize("seed", range(10))
 def test_one_block_chunk_loads_match_the_page_by_page_reference(seed: int, offsets: bool) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -323,6 +324,41 @@ def test_loads_read_in_place_take_no_lease(
         assert None not in offsets and len(set(offsets)) == 2
     for w in (src, dst, off):
         w.shutdown()
+
+
+def test_chunks_stored_side_by_side_load_in_place_through_one_view(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Chunks one after another in the arena, into a run of blocks (here counting down, as
+    vLLM hands out freed blocks): one view of them all is copied, with no view, plan or
+    copy per chunk (``PageMover.load_span``); the bytes land as per chunk."""
+    server = start_server(tmp_path)  # its own: the first save takes the first slots
+    try:
+        src, src_layers = _saved(server, 14, HASHES[:2], (3, 4, 9, 2))
+        wait_stored(server, 2)
+        spans = count_calls(monkeypatch, PageMover, "load_span")
+        per_chunk = count_calls(monkeypatch, PageMover, "load")
+        dst, dst_layers = _ready_worker(server, 15)
+        load = StepPlan(loads=[LoadPlan("r6", (HASHES[:2],), 0, (13, 12, 11, 10), False)])
+        dst.bind(load)
+        dst.start_load(load)
+        dst.wait_for_save(load)
+        assert dst.take_load_errors() == set()
+        for s, d in zip(src_layers, dst_layers):
+            assert all(torch.equal(d[b], s[a]) for a, b in zip((3, 4, 9, 2), (13, 12, 11, 10)))
+        assert len(spans) == 1 and per_chunk == []
+        # Blocks that are not one run: a copy per chunk's runs.
+        other = StepPlan(loads=[LoadPlan("r7", (HASHES[:2],), 0, (1, 5, 6, 7), False)])
+        dst.bind(other)
+        dst.start_load(other)
+        dst.wait_for_save(other)
+        assert dst.take_load_errors() == set() and len(per_chunk) == 1
+        for s, d in zip(src_layers, dst_layers):
+            assert all(torch.equal(d[b], s[a]) for a, b in zip((3, 4, 9, 2), (1, 5, 6, 7)))
+        for w in (src, dst):
+            w.shutdown()
+    finally:
+        server.cleanup()
 
 
 def test_an_idle_engine_tells_the_server_what_it_read_in_place(

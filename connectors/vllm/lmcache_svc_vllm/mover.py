@@ -262,13 +262,35 @@ class PageMover:
             done = self.stream.record()
         return [done] * len(layers)
 
+    def load_span(
+        self, span: memoryview, block_ids: Sequence[int], *, beside: bool = False
+    ) -> LayerEvents | None:
+        """``load`` of the whole chunks that lie one after another in ``span``, in order,
+        into blocks that follow one another (up, or down as vLLM hands out freed blocks):
+        one copy a layer, planned with no Python per chunk (``_host_copies`` took 0.14 ms
+        of a cold 47-chunk load); None on another path or other blocks (then ``load``)."""
+        g = self.pages.geometry
+        if self._host is None or self.gather != "runs" or span.nbytes % g.chunk_bytes:
+            return None
+        num_chunks = span.nbytes // g.chunk_bytes
+        ids = block_ids if type(block_ids) is tuple else tuple(block_ids)
+        step = _direction(ids)
+        if step is None or len(ids) != num_chunks * g.blocks_per_chunk:
+            return None
+        self.stream.follow_current()  # blocks being overwritten are not read meanwhile
+        shape = (num_chunks, g.num_layers, g.blocks_per_chunk, g.page_bytes)
+        copy = _HostCopy(_host_bytes(span).reshape(shape), ids[0], step)
+        return LayerEvents(self._copy_host([copy], beside))
+
     def _load_host(self, chunks: Sequence[ChunkLoad], beside: bool) -> list[CopyEvent]:
-        """Planned here, before any copy: on the copy thread the plan's Python held the
-        interpreter lock that the forward pass, starting beside it, needs."""
+        places = [(c.src, c.first_block, c.block_ids, c.offset) for c in chunks]
+        return self._copy_host(_host_copies(places, self.pages.geometry, writeable=False), beside)
+
+    def _copy_host(self, copies: Sequence[_HostCopy], beside: bool) -> list[CopyEvent]:
+        """Planned by the caller, before any copy: on the copy thread the plan's Python held
+        the interpreter lock that the forward pass, starting beside it, needs."""
         assert self._host is not None
         host = self._host
-        places = [(c.src, c.first_block, c.block_ids, c.offset) for c in chunks]
-        copies = _host_copies(places, self.pages.geometry, writeable=False)
 
         def copy_layer(layer: int) -> None:
             for copy in copies:

@@ -391,22 +391,22 @@ class WorkerSide:
         if read is None:
             return None
         try:
-            events, num_blocks = self._copy_in(plan, read.buffers, read.offsets, step)
+            events, num_blocks = self._copy_in_place(plan, read, step)
             if step and self._beside_forward(events):
                 self._step_loads.append(events)
                 self._step_checks.append(lambda: self._check_late(plan, hashes, read, events))
-                return len(read.buffers), num_blocks
+                return read.num_chunks, num_blocks
             events.synchronize()
         except Exception:  # never into vLLM: a lease is taken instead
             logger.exception("lmcache-svc: copying chunks read in place failed")
             return None
-        if read.unchanged() < len(read.buffers):
+        if read.unchanged() < read.num_chunks:
             trace.mark("load.changed")
             self.stats.add(load_in_place_retries=1)
             return None  # its blocks are all written again (or recomputed)
         trace.mark("load.copied")
-        self._read_in_place(hashes, len(read.buffers))
-        return len(read.buffers), num_blocks
+        self._read_in_place(hashes, read.num_chunks)
+        return read.num_chunks, num_blocks
 
     def _check_late(
         self, plan: LoadPlan, hashes: Sequence[bytes], read: InPlaceRead, events: LayerEvents
@@ -420,7 +420,7 @@ class WorkerSide:
         except Exception:
             logger.exception("lmcache-svc: copying chunks read in place failed")
             num_good = 0
-        if num_good < len(read.buffers):
+        if num_good < read.num_chunks:
             trace.mark("load.changed")
             self.stats.add(load_in_place_late_changes=1)
             bad = self._chunk_blocks(plan)[num_good:]
@@ -503,6 +503,18 @@ class WorkerSide:
             for (first, block_ids), buffer, offset in zip(places, buffers, where)
         ]
         return self._mover.load(chunks, beside=step), sum(len(c.block_ids) for c in chunks)
+
+    def _copy_in_place(
+        self, plan: LoadPlan, read: InPlaceRead, step: bool
+    ) -> tuple[LayerEvents, int]:
+        """``_copy_in`` of chunks read in place: through one view of them all where they lie
+        one after another and so do their blocks (``PageMover.load_span``)."""
+        assert self._mover is not None
+        span = read.span() if plan.first_block == 0 else None
+        events = None if span is None else self._mover.load_span(span, plan.block_ids, beside=step)
+        if events is not None:
+            return events, len(plan.block_ids)
+        return self._copy_in(plan, read.buffers, read.offsets, step)
 
     def _prefetched(self, req_id: str, hashes: Sequence[bytes]) -> Acquired | None:
         if self._prefetches is None:
