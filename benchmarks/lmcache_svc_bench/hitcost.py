@@ -105,8 +105,8 @@ PHASES = (
     ("scheduling", "", "get_num_new_matched_tokens>"),
     ("lookup", "get_num_new_matched_tokens>", "build_connector_meta>"),
     ("to the worker", "build_connector_meta>", "bind_connector_metadata>"),
-    ("load, to layer 1", "bind_connector_metadata>", "wait_for_layer_load>"),
-    ("forward", "wait_for_layer_load>", "wait_for_save>"),
+    ("load, to layer 1", "bind_connector_metadata>", "layers>"),
+    ("forward", "layers>", "wait_for_save>"),
     ("output", "wait_for_save>", "ttft.first"),
 )
 FORWARD = [name for name, _, _ in PHASES].index("forward")

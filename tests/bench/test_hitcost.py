@@ -44,7 +44,7 @@ def test_a_request_splits_into_phases_in_order() -> None:
         (0.0, "ttft.add"), (1.0, "get_num_new_matched_tokens>"),
         (1.2, "get_num_new_matched_tokens<"), (1.5, "build_connector_meta>"),
         (3.5, "bind_connector_metadata>"), (4.0, "start_load_kv>"),
-        (5.5, "wait_for_layer_load>"), (9.0, "wait_for_layer_load>"),
+        (5.5, "layers>"), (5.6, "wait_for_layer_load>"), (9.0, "wait_for_layer_load>"),
         (20.0, "wait_for_save>"), (22.0, "ttft.first"),
     ]  # fmt: skip
     assert _phase_times(_sample(22.0, 512, marks)) == pytest.approx([1.0, 0.5, 2.0, 2.0, 14.5, 2.0])
@@ -310,7 +310,7 @@ def test_outside_the_forward_pass_the_layers_spread_leaves_the_hooks_cost() -> N
         at = outside_ms - 1.0  # the phases before the layers; the output phase 1 ms
         return [
             (0.2, "get_num_new_matched_tokens>"), (0.4, "build_connector_meta>"),
-            (0.6, "bind_connector_metadata>"), (at, "wait_for_layer_load>"),
+            (0.6, "bind_connector_metadata>"), (at, "layers>"),
             (at + forward_ms, "wait_for_save>"), (at + forward_ms + 1.0, "ttft.first"),
         ]  # fmt: skip
 

@@ -110,6 +110,29 @@ def test_start_load_returns_before_the_copies_and_each_layer_is_in_place_by_its_
     dst.shutdown()
 
 
+def test_the_layers_have_work_only_while_a_load_copies(
+    server: ServerProc,
+    saved: list[torch.Tensor],
+) -> None:
+    """``per_layer`` (what the connector tells vLLM's layers: ``has_connector_metadata``):
+    yes while a load copies beside the forward pass, no once it is in, or with no load."""
+    dst, _ = _worker(server, 36)
+    assert not dst.per_layer()
+    gate = _hold(dst)
+    dst.bind(LOAD)
+    dst.start_load(LOAD)
+    assert dst.per_layer()  # copying: each layer waits for its KV
+    gate.set()
+    dst.wait_for_layer(LAYER_1)  # the last layer: all in
+    assert not dst.per_layer()
+    dst.wait_for_save(LOAD)
+    dst.bind(StepPlan())
+    dst.start_load(StepPlan())
+    assert not dst.per_layer()
+    assert dst.take_load_errors() == set()
+    dst.shutdown()
+
+
 def test_an_unknown_layer_waits_for_every_layer(
     server: ServerProc,
     saved: list[torch.Tensor],

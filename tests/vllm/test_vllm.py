@@ -186,6 +186,20 @@ def test_a_load_copied_beside_the_forward_pass_is_waited_for_layer_by_layer(env:
     assert loaded["token_ids"] == env.expected(prompt)
 
 
+def test_steps_without_work_at_the_layers_skip_the_per_layer_hooks(env: Env) -> None:
+    """vLLM calls ``wait_for_layer_load`` and ``save_kv_layer`` at an attention layer only
+    when ``has_connector_metadata`` says so, and the plugin says so only while its worker
+    has work there (a load still copying): a miss's decode steps make a handful of hook
+    calls each, not two more for each of the model's 4 layers."""
+    before = env.b.metrics()
+    env.b.generate([make_prompt(9_201)], 40)
+    env.b.generate([make_prompt(9_202)], 4)  # its stats carry the first one's out
+    after = env.b.metrics()
+    calls = delta(after, before, "vllm:lmcache_svc_hook_calls")
+    steps = 40 + 4
+    assert 0 < calls < 12 * steps  # 396 (9 a step) in a run; 740 with the per-layer hooks
+
+
 def test_async_load_path(env: Env) -> None:
     """load_mode=async: the request waits for a background load; a SIGKILL during it is
     reported as failed blocks and recomputed. On a private server (it gets killed)."""

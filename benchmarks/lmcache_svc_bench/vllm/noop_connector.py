@@ -17,9 +17,19 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 
 class NoopConnector(KVConnectorBase_V1):  # type: ignore[misc]
+    _layers_unmarked = False
+
     def bind_connector_metadata(self, m: Any) -> None:
         mark("bind_connector_metadata>")
         super().bind_connector_metadata(m)
+        self._layers_unmarked = True
+
+    def has_connector_metadata(self) -> bool:
+        """vLLM asks this before each attention layer: the step's first layer is marked."""
+        if self._layers_unmarked:
+            self._layers_unmarked = False
+            mark("layers>")
+        return bool(super().has_connector_metadata())
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         mark("start_load_kv>")

@@ -197,6 +197,15 @@ class WorkerSide:
         if self._reserve_after_loads:
             self._reserve(plan)  # held back by bind while the loads copied
 
+    def per_layer(self) -> bool:
+        """Whether the forward pass still has work at its layers: layer-wise (CUDA), a load
+        on the copy stream or saves to enqueue layer by layer; else a load copying beside
+        it that is not done yet (one done by then needs no wait: its check comes after the
+        forward pass, ``_finish_loads``)."""
+        if self._layerwise:
+            return bool(self._step_loads) or self._reservation is not None
+        return any(not events.done() for events in self._step_loads)
+
     def wait_for_layer(self, layer_name: str) -> None:
         """Before the layer runs: its loaded pages must be in place (device-side wait; a
         layer not registered waits for every layer)."""
