@@ -95,7 +95,7 @@ def read_in_place(
     if located is None:
         return None
     read = InPlaceRead(session.mapping, namespace.chunk_bytes, reader, located)
-    offsets, length = read.offsets, namespace.chunk_bytes
-    if not session.mapping.covers(min(offsets), max(offsets) + length - min(offsets)):
+    first, end = min(read.offsets), max(read.offsets) + namespace.chunk_bytes
+    if not session.mapping.covers(first, end - first):
         return None  # a location outside this mapping's slots
     return read

@@ -21,6 +21,7 @@ from lmcache_svc.cache.values import TierPolicy
 from lmcache_svc.client import CacheClient
 from lmcache_svc.config import load_config
 from lmcache_svc.keys import KVLayout, Namespace
+from lmcache_svc.results import Placement
 from lmcache_svc.server.grpc.cache_service import build_grpc_server
 from lmcache_svc.server.index_publisher import IndexPublisher, lookup_index
 from lmcache_svc.server.tokens import Authenticator
@@ -195,6 +196,24 @@ def test_reads_in_place_and_leases_say_where_each_view_starts(served: Served) ->
                 assert [address_of(b) - base for b in buffers] == offsets
         finally:
             client.release_load(lease)
+
+
+def test_a_placement_naming_a_page_outside_the_segment_is_not_read(served: Served) -> None:
+    # A placement travels between processes; one whose location lies past the mapped
+    # segment (a forged or corrupted one) gives no view of other memory: no read in place.
+    cache = served.cache
+    hashes = [h(i) for i in range(2)]
+    for i, digest in enumerate(hashes):
+        cache.put(ACME_NS.namespace_id, digest, bytes([i]) * CHUNK)
+    with served.client(ACME) as client:
+        ns_id = client.register_namespace(ACME_NS)
+        assert client.shm_available  # opens the session: arena and index mapped
+        answer = client.lookup_local(ns_id, hashes)
+        placement = None if answer is None else answer.placement
+        assert placement is not None and client.read_in_place(ns_id, hashes, placement)
+        far = placement.locations[1] | 0xFFFFFFFF  # the same serial, the last page there is
+        forged = Placement(placement.nonce, placement.seq, (placement.locations[0], far))
+        assert client.read_in_place(ns_id, hashes, forged) is None
 
 
 def test_a_tenant_session_maps_only_its_own_table(served: Served) -> None:
