@@ -92,6 +92,7 @@ from lmcache_svc_bench.vllm_ttft import (
     write_contexts,
 )
 from lmcache_svc_bench.vllm_ttft_breakdown import first_mark, memcpy_gbps, paired_gap
+from lmcache_svc_bench.vllm_ttft_report import first_hits_data, first_hits_note
 
 ENGINES = ("c", "cn", "cp", "b")
 NOOP_CONNECTOR = {
@@ -138,18 +139,19 @@ def run(ctx: BenchContext) -> Report:
     try:
         setup = Setup(model_dir, ctx.work_dir, server.socket, None, ctx.progress)
         write_contexts(setup, workload, "b", plugin_config(setup, None, tenant="b"))
-        num_chunks = sum(len(c) // PLUGIN_DEFAULT_CHUNK for c in workload.contexts.values())
+        num_chunks = sum(len(c) // PLUGIN_DEFAULT_CHUNK for c in workload.stored_contexts())
         wait_for_commits(server.socket, num_chunks)
-        results = measure_side_by_side(
+        measured = measure_side_by_side(
             setup, workload, strategies(setup, b_settings), rounds, while_up=cold
         )
     finally:
         server.cleanup()
-    samples = {name: by_context(res) for name, res in results.items()}
+    samples = {name: by_context(res) for name, res in measured.results.items()}
     report = ctx.report()
     geometry = _geometry(shape, cold.logged_tokens)
     baselines = CopyBaselines(kv_bytes_per_token(shape), memcpy_gbps(), geometry, cold.ms, IDLE_S)
     _write(report, samples, baselines)
+    report.tables[0].notes.append(first_hits_note(measured.first_hits))
     if b_settings:
         report.tables[0].notes.append(f"(b)'s plugin settings beyond the defaults: {b_settings}")
     report.data["copy_baselines"]["cache_tokens_logged"] = cold.logged_tokens
@@ -161,6 +163,20 @@ def run(ctx: BenchContext) -> Report:
         "b_plugin_settings": b_settings,
     }
     report.data["mark_timeline_ms"] = _mark_timelines(samples)
+    report.data["first_hits"] = first_hits_data(measured.first_hits)
+    report.data["queries"] = {  # each query's TTFT and time marks, for a closer look
+        name: {
+            str(context): [
+                {
+                    "ttft_ms": round(s.ttft_s * 1e3, 3),
+                    "marks": [[round(ms, 3), m] for ms, m in s.marks],
+                }
+                for s in runs
+            ]
+            for context, runs in by_context.items()
+        }
+        for name, by_context in samples.items()
+    }
     return report
 
 

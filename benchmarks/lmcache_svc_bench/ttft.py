@@ -54,7 +54,7 @@ from lmcache_svc_bench.vllm_common import (
 )
 from lmcache_svc_bench.vllm_ttft import (
     PLUGIN_DEFAULT_CHUNK,
-    Results,
+    Measured,
     Setup,
     Strategy,
     Workload,
@@ -148,7 +148,10 @@ def make_workload(p: Params) -> Workload:
         for q in p.queries
     }
     warmup = random_tokens(rng, max(p.contexts) + max(p.queries))
-    return Workload(contexts, queries, warmup, p.max_tokens)
+    # drawn last: the cells' tokens stay those of the same seed before the warm-up hit came
+    warm_context = random_tokens(rng, max(p.contexts))
+    warm_query = random_tokens(rng, min(p.queries))
+    return Workload(contexts, queries, warmup, p.max_tokens, warm_context, warm_query)
 
 
 def run(ctx: BenchContext) -> Report:
@@ -166,20 +169,24 @@ def run(ctx: BenchContext) -> Report:
     server = start_server(ctx.work_dir, "--cpu-bytes", server_bytes, "--prefault", "sync")
     try:
         setup = Setup(model_dir, ctx.work_dir, server.socket, p.chunk_size, ctx.progress)
-        results = _run_strategies(setup, workload, p, ctx.work_dir / "example-kv")
+        measured = _run_strategies(setup, workload, p, ctx.work_dir / "example-kv")
     finally:
         server.cleanup()
     report = ctx.report()
     gbps = memcpy_gbps()
     write_report(
-        report, p, results, ctx.out_dir, kv_bytes_per_token=kv_bytes_per_token(shape), gbps=gbps
+        report,
+        p,
+        measured.results,
+        ctx.out_dir,
+        kv_bytes_per_token=kv_bytes_per_token(shape),
+        gbps=gbps,
+        first_hits=measured.first_hits,
     )
     return report
 
 
-def _run_strategies(
-    setup: Setup, workload: Workload, p: Params, storage_dir: Path
-) -> dict[str, Results]:
+def _run_strategies(setup: Setup, workload: Workload, p: Params, storage_dir: Path) -> Measured:
     """The writers of (b) and (d) first (one at a time), then every strategy's engine side
     by side (``measure_side_by_side``)."""
     strategies: list[Strategy] = []
@@ -200,7 +207,7 @@ def _run_strategies(
                 config = plugin_config(setup, chunk_size, **PLUGIN_SETTINGS.get(name, {}))
                 write_contexts(setup, workload, name, config)
                 chunk = PLUGIN_DEFAULT_CHUNK if chunk_size is None else chunk_size
-                num_chunks += sum(len(c) // chunk for c in workload.contexts.values())
+                num_chunks += sum(len(c) // chunk for c in workload.stored_contexts())
                 strategies.append(Strategy(name, config))
         held = wait_for_commits(setup.server_socket, num_chunks)
         setup.progress(f"the server holds {held} chunks (the contexts alone: {num_chunks})")

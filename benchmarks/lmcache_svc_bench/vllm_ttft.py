@@ -40,11 +40,25 @@ PLUGIN_DEFAULT_CHUNK = -(-128 // BLOCK_SIZE) * BLOCK_SIZE
 class Workload:
     contexts: dict[int, list[int]]  # context length -> tokens
     queries: dict[Cell, list[list[int]]]  # cell -> its queries
-    warmup: list[int]  # an unrelated prompt as long as the longest one
+    warmup: list[int]  # an unrelated prompt as long as the longest one: a miss
     max_tokens: int
+    warm_context: list[int] = field(default_factory=list)
+    """Unrelated to the cells: stored and computed first like their contexts, so that
+    ``warm_hit`` is every engine's first hit, before the measured queries (``_warm``)."""
+    warm_query: list[int] = field(default_factory=list)
 
     def prompts(self, cell: Cell) -> list[list[int]]:
         return [self.contexts[cell[0]] + q for q in self.queries[cell]]
+
+    def stored_contexts(self) -> list[list[int]]:
+        """What the writers store and (c) computes before its queries: the cells' contexts,
+        and the warm-up hit's."""
+        warm = [self.warm_context] if self.warm_context else []
+        return [*self.contexts.values(), *warm]
+
+    @property
+    def warm_hit(self) -> list[int] | None:
+        return self.warm_context + self.warm_query if self.warm_context else None
 
 
 @dataclass(frozen=True)
@@ -78,6 +92,12 @@ class Strategy:
     contexts_first: bool = False
 
 
+@dataclass(frozen=True)
+class Measured:
+    results: dict[str, Results]  # strategy name -> its samples, by cell
+    first_hits: dict[str, list[Sample]]  # strategy name -> its engines' warm-up hits
+
+
 WhileUp = Callable[[dict[str, EngineProc], dict[str, Results]], None]
 """Called after the last round's queries, its engines still up and idle: the engines by
 strategy name and the results so far."""
@@ -90,7 +110,7 @@ def measure_side_by_side(
     rounds: int,
     *,
     while_up: WhileUp | None = None,
-) -> dict[str, Results]:
+) -> Measured:
     """Every strategy's engine up at once, each query run on every engine in a rotating
     order (each engine idle ``IDLE_S`` before it), in ``rounds`` of fresh engines started
     in a rotated order (``vllm/rounds.py``). The contexts of (b) and (d) must be written.
@@ -99,6 +119,7 @@ def measure_side_by_side(
     by_name = {s.name: s for s in strategies}
     check_rounds(rounds, min(len(q) for q in workload.queries.values()))
     results: dict[str, Results] = {name: {cell: [] for cell in workload.queries} for name in names}
+    first_hits: dict[str, list[Sample]] = {name: [] for name in names}
     for r in range(rounds):
         engines: dict[str, EngineProc] = {}
         try:
@@ -107,7 +128,8 @@ def measure_side_by_side(
                 engines[name] = _start(
                     setup, f"{name}-{r}", kv_config=s.kv_config, prefix_caching=s.prefix_caching
                 )
-            _warm(engines, by_name, workload)
+            for name, sample in _warm(engines, by_name, workload).items():
+                first_hits[name].append(sample)
             for cell in workload.queries:
                 prompts = workload.prompts(cell)
                 for i in round_queries(r, rounds, len(prompts)):
@@ -121,19 +143,31 @@ def measure_side_by_side(
         finally:
             for engine in engines.values():
                 engine.close()
-    return results
+    return Measured(results, first_hits)
 
 
 def _warm(
     engines: dict[str, EngineProc], strategies: dict[str, Strategy], workload: Workload
-) -> None:
-    """Each engine's first request, then (c)'s contexts into vLLM's own cache."""
+) -> dict[str, Sample]:
+    """Each engine's first request (a miss), then (c)'s contexts into vLLM's own cache,
+    then each engine's first hit (``Workload.warm_hit``; a miss for (a)), by strategy
+    name. A fresh engine's first hit runs code that no request ran
+    before it, in vLLM and in a connector: it was 8-15 ms slower in (b) than in (c), where
+    later queries differed by 2 ms at the median (docs/benchmarks.md, 2026-11-29). An engine
+    in service takes one such hit in its life; the measured queries come after it."""
     for name, engine in engines.items():
         time.sleep(IDLE_S)
         engine.ttft(workload.warmup, workload.max_tokens)
         if strategies[name].contexts_first:
-            for context in workload.contexts.values():
+            for context in workload.stored_contexts():
                 engine.generate([context], 1)
+    first_hits: dict[str, Sample] = {}
+    prompt = workload.warm_hit
+    for name, engine in engines.items():
+        if prompt is not None:
+            time.sleep(IDLE_S)
+            first_hits[name] = _sample(engine.ttft(prompt, workload.max_tokens))
+    return first_hits
 
 
 def _sample(out: dict[str, Any]) -> Sample:
@@ -155,7 +189,7 @@ def write_contexts(setup: Setup, workload: Workload, name: str, config: dict[str
     of connectors loaded from a module path, so it cannot combine the plugin with another.)"""
     writer = _start(setup, f"{name}-writer", kv_config=config)
     try:
-        for context in workload.contexts.values():
+        for context in workload.stored_contexts():
             # One at a time, so each context is prefilled in one step: the ExampleConnector
             # saves a request's blocks from its first step only, and under chunked prefill
             # would store a partial context under the whole context's name.

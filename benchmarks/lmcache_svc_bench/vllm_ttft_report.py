@@ -10,7 +10,7 @@ from lmcache_svc_bench import plots
 from lmcache_svc_bench.report import Report
 from lmcache_svc_bench.stats import median
 from lmcache_svc_bench.vllm.rounds import IDLE_S
-from lmcache_svc_bench.vllm_ttft import PLUGIN_DEFAULT_CHUNK, Cell, Results
+from lmcache_svc_bench.vllm_ttft import PLUGIN_DEFAULT_CHUNK, Cell, Results, Sample
 from lmcache_svc_bench.vllm_ttft_breakdown import (
     breakdown_table,
     fixed_cost_target,
@@ -149,12 +149,17 @@ def write_report(
     *,
     kv_bytes_per_token: int,
     gbps: float,
+    first_hits: dict[str, list[Sample]] | None = None,
 ) -> None:
-    """``gbps``: this host's memcpy bandwidth, measured in the same run."""
+    """``gbps``: this host's memcpy bandwidth, measured in the same run; ``first_hits``:
+    each strategy's engines' first hits, before the measured queries (``vllm_ttft._warm``)."""
     cells = list(results["a"])
     names = list(results)
     out_dir.mkdir(parents=True, exist_ok=True)
     _ttft_table(report, p, results, cells, names)
+    if first_hits:
+        report.tables[-1].notes.append(first_hits_note(first_hits))
+        report.data["first_hits"] = first_hits_data(first_hits)
     _served_table(report, results, cells, names)
     if "b" in results and traced(results):
         breakdown_table(report, results, cells)
@@ -203,6 +208,27 @@ def write_report(
     )
     if path is not None:
         report.plots.append(str(path))
+
+
+def first_hits_note(first_hits: dict[str, list[Sample]]) -> str:
+    """The warm-up hits' TTFTs (in no median here), per strategy."""
+    each = "; ".join(
+        f"({n}) " + ", ".join(f"{s.ttft_s * 1e3:.1f}" for s in samples)
+        for n, samples in first_hits.items()
+    )
+    return (
+        "Every engine took one hit on an unrelated stored context before its measured "
+        "queries (its first hit runs code no request ran before; (a) computes it): its TTFT, "
+        f"ms, one per round: {each}."
+    )
+
+
+def first_hits_data(first_hits: dict[str, list[Sample]]) -> dict[str, list[dict[str, Any]]]:
+    """The warm-up hits for the JSON: TTFT (ms) and the prompt tokens served from a cache."""
+    return {
+        n: [{"ttft_ms": round(s.ttft_s * 1e3, 3), "cached_tokens": s.num_cached_tokens} for s in ss]
+        for n, ss in first_hits.items()
+    }
 
 
 def _ttft_table(

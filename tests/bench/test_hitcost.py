@@ -407,6 +407,13 @@ def test_quick_mode_end_to_end(tmp_path: Path) -> None:
     assert all(math.isfinite(v) and v > 0 for v in (engine, warm, cold))
     assert low <= cold <= high
     assert len(report.data["copy_baselines"]["contexts"]["583"]["cold_copy_runs_ms"]) == 3
+    # Each engine's first hit, on the warm-up context, came before the measured queries.
+    first_hits = report.data["first_hits"]
+    assert {n: [h["cached_tokens"] for h in hits] for n, hits in first_hits.items()} == {
+        n: [512] for n in ("c", "cn", "cp", "b")
+    }
+    queries = report.data["queries"]["b"]["583"]
+    assert len(queries) == 2 and all(q["marks"] and q["ttft_ms"] > 0 for q in queries)
     warm_target, cold_target, outside_target = report.targets
     assert "memcpy" in warm_target.name and "cold copy" in cold_target.name
     assert outside_target.name.startswith("(b) - (cn) outside the forward pass")

@@ -106,8 +106,9 @@ class FakeDriver:
     def measure(
         self, tmp_path: Path, rounds: int, while_up: vllm_ttft.WhileUp | None = None
     ) -> dict:
-        # context 10 tokens; two queries of 1 and 2 tokens: prompts of 11 and 12 tokens
-        workload = Workload({10: [0] * 10}, {(10, 1): [[1], [2, 2]]}, [9] * 3, 2)
+        # context 10 tokens; two queries of 1 and 2 tokens: prompts of 11 and 12 tokens; a
+        # warm-up miss of 3, a warm-up context of 4 and its hit of 4 + 1
+        workload = Workload({10: [0] * 10}, {(10, 1): [[1], [2, 2]]}, [9] * 3, 2, [7] * 4, [8])
         strategies = [
             Strategy("a"),
             Strategy("c", prefix_caching=True, contexts_first=True),
@@ -128,16 +129,20 @@ def driver(monkeypatch: pytest.MonkeyPatch) -> FakeDriver:
 def test_side_by_side_rotates_the_engines_per_query_and_per_round(
     tmp_path: Path, driver: FakeDriver
 ) -> None:
-    results = driver.measure(tmp_path, rounds=2)
+    measured = driver.measure(tmp_path, rounds=2)
     assert driver.started == ["a-0", "c-0", "d-0", "c-1", "d-1", "a-1"]  # each round rotated
-    warm = [("a", "ttft", 3), ("c", "ttft", 3), ("c", "generate", 10), ("d", "ttft", 3)]
-    round_0 = warm + [("a", "ttft", 11), ("c", "ttft", 11), ("d", "ttft", 11)]  # query 0
-    warm_1 = [("c", "ttft", 3), ("c", "generate", 10), ("d", "ttft", 3), ("a", "ttft", 3)]
-    round_1 = warm_1 + [("c", "ttft", 12), ("d", "ttft", 12), ("a", "ttft", 12)]  # query 1
+    c_first = [("c", "ttft", 3), ("c", "generate", 10), ("c", "generate", 4)]  # (c) computes
+    warm = [("a", "ttft", 3), *c_first, ("d", "ttft", 3)]  # the contexts, the warm one too
+    first_hits = [("a", "ttft", 5), ("c", "ttft", 5), ("d", "ttft", 5)]  # then a hit each
+    round_0 = warm + first_hits + [("a", "ttft", 11), ("c", "ttft", 11), ("d", "ttft", 11)]
+    warm_1 = [*c_first, ("d", "ttft", 3), ("a", "ttft", 3)]
+    first_hits_1 = [("c", "ttft", 5), ("d", "ttft", 5), ("a", "ttft", 5)]
+    round_1 = warm_1 + first_hits_1 + [("c", "ttft", 12), ("d", "ttft", 12), ("a", "ttft", 12)]
     assert driver.log == round_0 + round_1
     assert all(e.closed for e in driver.engines)
     for name in "acd":  # every strategy's samples of the cell, in query order
-        assert [s.ttft_s for s in results[name][(10, 1)]] == [0.011, 0.012]
+        assert [s.ttft_s for s in measured.results[name][(10, 1)]] == [0.011, 0.012]
+        assert [s.ttft_s for s in measured.first_hits[name]] == [0.005, 0.005]  # a round each
 
 
 def test_while_up_runs_once_after_the_last_rounds_queries_beside_its_engines(
@@ -150,8 +155,8 @@ def test_while_up_runs_once_after_the_last_rounds_queries_beside_its_engines(
         seen.append((len(driver.log), sorted(engines), up, len(results["a"][(10, 1)])))
 
     driver.measure(tmp_path, rounds=2, while_up=while_up)
-    # after every request of both rounds (14), with round 1's engines up and both queries in
-    assert seen == [(14, ["a", "c", "d"], True, 2)]
+    # after every request of both rounds (22), with round 1's engines up and both queries in
+    assert seen == [(22, ["a", "c", "d"], True, 2)]
     assert driver.engines[-1].closed
 
 
@@ -182,6 +187,8 @@ def test_workload_queries_differ_and_share_their_context(tmp_path: Path) -> None
     assert len({tuple(q) for q in workload.queries[(583, 167)]}) == 3
     assert all(pr[:583] == workload.contexts[583] and len(pr) == 750 for pr in prompts)
     assert len(workload.warmup) == 2773 + 167
+    assert len(workload.warm_context) == 2773 and len(workload.warm_query) == 167
+    assert workload.stored_contexts() == [*workload.contexts.values(), workload.warm_context]
     assert make_workload(p) == workload  # a pure function of the seed
 
 
@@ -385,5 +392,15 @@ def test_quick_mode_end_to_end(tmp_path: Path) -> None:
     data = json.loads((tmp_path / "ttft.json").read_text())
     assert {c["context"] for c in data["data"]["cells"]} == {2773}
     assert all(len(c["b"]) == 2 for c in data["data"]["cells"])
+    # Every engine's first hit came before the measured queries, on the warm-up context
+    # (2773 tokens, as long as the longest context): from a cache for all but (a).
+    first_hits = data["data"]["first_hits"]
+    assert {n: [h["cached_tokens"] for h in hits] for n, hits in first_hits.items()} == {
+        "a": [0],
+        "b": [2688],
+        "c": [2688],
+        "d": [2688],
+    }
+    assert all(h["ttft_ms"] > 0 for hits in first_hits.values() for h in hits)
     assert (tmp_path / "ttft.md").read_text().startswith("## bench ttft (quick)")
     assert (tmp_path / "ttft.png").stat().st_size > 0
