@@ -150,8 +150,8 @@ def make_workload(p: Params) -> Workload:
     warmup = random_tokens(rng, max(p.contexts) + max(p.queries))
     # drawn last: the cells' tokens stay those of the same seed before the warm-up hit came
     warm_context = random_tokens(rng, max(p.contexts))
-    warm_query = random_tokens(rng, min(p.queries))
-    return Workload(contexts, queries, warmup, p.max_tokens, warm_context, warm_query)
+    warm_queries = [random_tokens(rng, min(p.queries)) for _ in range(p.num_queries)]
+    return Workload(contexts, queries, warmup, p.max_tokens, warm_context, warm_queries)
 
 
 def run(ctx: BenchContext) -> Report:

@@ -45,7 +45,9 @@ class Workload:
     warm_context: list[int] = field(default_factory=list)
     """Unrelated to the cells: stored and computed first like their contexts, so that
     ``warm_hit`` is every engine's first hit, before the measured queries (``_warm``)."""
-    warm_query: list[int] = field(default_factory=list)
+    warm_queries: list[list[int]] = field(default_factory=list)
+    """One per round at least: a round's engines store its warm-up hit whole, which would
+    cover the next round's hit beyond the context."""
 
     def prompts(self, cell: Cell) -> list[list[int]]:
         return [self.contexts[cell[0]] + q for q in self.queries[cell]]
@@ -56,9 +58,11 @@ class Workload:
         warm = [self.warm_context] if self.warm_context else []
         return [*self.contexts.values(), *warm]
 
-    @property
-    def warm_hit(self) -> list[int] | None:
-        return self.warm_context + self.warm_query if self.warm_context else None
+    def warm_hit(self, r: int) -> list[int] | None:
+        """Round ``r``'s warm-up hit: the warm-up context and a query of that round's own."""
+        if not self.warm_context:
+            return None
+        return self.warm_context + self.warm_queries[r % len(self.warm_queries)]
 
 
 @dataclass(frozen=True)
@@ -128,7 +132,7 @@ def measure_side_by_side(
                 engines[name] = _start(
                     setup, f"{name}-{r}", kv_config=s.kv_config, prefix_caching=s.prefix_caching
                 )
-            for name, sample in _warm(engines, by_name, workload).items():
+            for name, sample in _warm(engines, by_name, workload.warm_hit(r), workload).items():
                 first_hits[name].append(sample)
             for cell in workload.queries:
                 prompts = workload.prompts(cell)
@@ -147,14 +151,18 @@ def measure_side_by_side(
 
 
 def _warm(
-    engines: dict[str, EngineProc], strategies: dict[str, Strategy], workload: Workload
+    engines: dict[str, EngineProc],
+    strategies: dict[str, Strategy],
+    hit: list[int] | None,
+    workload: Workload,
 ) -> dict[str, Sample]:
     """Each engine's first request (a miss), then (c)'s contexts into vLLM's own cache,
-    then each engine's first hit (``Workload.warm_hit``; a miss for (a)), by strategy
-    name. A fresh engine's first hit runs code that no request ran
-    before it, in vLLM and in a connector: it was 8-15 ms slower in (b) than in (c), where
-    later queries differed by 2 ms at the median (docs/benchmarks.md, 2026-11-29). An engine
-    in service takes one such hit in its life; the measured queries come after it."""
+    then each engine's first hit, ``hit`` (a miss for (a)), by strategy name.
+
+    A fresh engine's first hit runs code that no request ran before it, in vLLM and in a
+    connector: it was 8-15 ms slower in (b) than in (c), where later queries differed by
+    2 ms at the median (docs/benchmarks.md, 2026-11-29). An engine in service takes one
+    such hit in its life; the measured queries come after it."""
     for name, engine in engines.items():
         time.sleep(IDLE_S)
         engine.ttft(workload.warmup, workload.max_tokens)
@@ -162,11 +170,10 @@ def _warm(
             for context in workload.stored_contexts():
                 engine.generate([context], 1)
     first_hits: dict[str, Sample] = {}
-    prompt = workload.warm_hit
     for name, engine in engines.items():
-        if prompt is not None:
+        if hit is not None:
             time.sleep(IDLE_S)
-            first_hits[name] = _sample(engine.ttft(prompt, workload.max_tokens))
+            first_hits[name] = _sample(engine.ttft(hit, workload.max_tokens))
     return first_hits
 
 

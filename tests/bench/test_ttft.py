@@ -108,7 +108,7 @@ class FakeDriver:
     ) -> dict:
         # context 10 tokens; two queries of 1 and 2 tokens: prompts of 11 and 12 tokens; a
         # warm-up miss of 3, a warm-up context of 4 and its hit of 4 + 1
-        workload = Workload({10: [0] * 10}, {(10, 1): [[1], [2, 2]]}, [9] * 3, 2, [7] * 4, [8])
+        workload = Workload({10: [0] * 10}, {(10, 1): [[1], [2, 2]]}, [9] * 3, 2, [7] * 4, [[8]])
         strategies = [
             Strategy("a"),
             Strategy("c", prefix_caching=True, contexts_first=True),
@@ -187,7 +187,9 @@ def test_workload_queries_differ_and_share_their_context(tmp_path: Path) -> None
     assert len({tuple(q) for q in workload.queries[(583, 167)]}) == 3
     assert all(pr[:583] == workload.contexts[583] and len(pr) == 750 for pr in prompts)
     assert len(workload.warmup) == 2773 + 167
-    assert len(workload.warm_context) == 2773 and len(workload.warm_query) == 167
+    assert len(workload.warm_context) == 2773
+    assert [len(q) for q in workload.warm_queries] == [167] * 3  # rounds <= queries
+    assert len({tuple(q) for q in workload.warm_queries}) == 3
     assert workload.stored_contexts() == [*workload.contexts.values(), workload.warm_context]
     assert make_workload(p) == workload  # a pure function of the seed
 
