@@ -4,6 +4,7 @@ Every strategy gets the same prompts and returns one ``Sample`` per (cell, query
 engines are up at once and take each query in turn, one request at a time (never two
 computing at once), in rounds of fresh engines (``vllm/rounds.py``), each with the same
 block size, batch limit, KV space and core reservation (``vllm_common.start_engine``).
+Before its queries each engine takes a miss and its first hit (``_warm``).
 
   a   prompt only: vLLM's prefix cache off, every prompt computed in full
   b   lmcache-svc: a writer engine (plugin on) computes each context and stores it into the
