@@ -61,7 +61,7 @@ class Workload:
 
     def warm_hit(self, r: int) -> list[int] | None:
         """Round ``r``'s warm-up hit: the warm-up context and a query of that round's own."""
-        if not self.warm_context:
+        if not self.warm_context or not self.warm_queries:
             return None
         return self.warm_context + self.warm_queries[r % len(self.warm_queries)]
 
