@@ -56,6 +56,14 @@ def h(i: int) -> bytes:
     return hashlib.sha256(f"chunk-{i}".encode()).digest()
 
 
+def put_acme(cache: TieredCache, n: int) -> list[bytes]:
+    """Chunks h(0) .. h(n - 1) stored under ACME_NS, chunk i filled with byte i."""
+    hashes = [h(i) for i in range(n)]
+    for i, digest in enumerate(hashes):
+        cache.put(ACME_NS.namespace_id, digest, bytes([i]) * CHUNK)
+    return hashes
+
+
 def make_cache(
     num_chunks: int, lower: list[tuple[SsdTier, TierPolicy]] | None = None, register: bool = True
 ) -> TieredCache:
@@ -158,8 +166,7 @@ def test_published_on_commit_unpublished_on_delete_and_eviction() -> None:
 
 def test_client_lookup_is_local_and_matches_grpc(served: Served) -> None:
     cache = served.cache
-    for i in range(3):
-        cache.put(ACME_NS.namespace_id, h(i), bytes([i]) * CHUNK)
+    put_acme(cache, 3)
     query = [h(0), h(1), h(2), h(9), h(1)]
     with served.client(ACME) as local, served.client(ACME, local_lookup=False) as remote:
         ns_id = local.register_namespace(ACME_NS)
@@ -178,10 +185,7 @@ def test_client_lookup_is_local_and_matches_grpc(served: Served) -> None:
 
 def test_reads_in_place_and_leases_say_where_each_view_starts(served: Served) -> None:
     # The plugin's copies join chunks that lie one after another by these offsets alone.
-    cache = served.cache
-    hashes = [h(i) for i in range(3)]
-    for i, digest in enumerate(hashes):
-        cache.put(ACME_NS.namespace_id, digest, bytes([i]) * CHUNK)
+    hashes = put_acme(served.cache, 3)
     with served.client(ACME) as client:
         ns_id = client.register_namespace(ACME_NS)
         assert client.shm_available
@@ -201,10 +205,7 @@ def test_reads_in_place_and_leases_say_where_each_view_starts(served: Served) ->
 def test_a_placement_naming_a_page_outside_the_segment_is_not_read(served: Served) -> None:
     # A placement travels between processes; one whose location lies past the mapped
     # segment (a forged or corrupted one) gives no view of other memory: no read in place.
-    cache = served.cache
-    hashes = [h(i) for i in range(2)]
-    for i, digest in enumerate(hashes):
-        cache.put(ACME_NS.namespace_id, digest, bytes([i]) * CHUNK)
+    hashes = put_acme(served.cache, 2)
     with served.client(ACME) as client:
         ns_id = client.register_namespace(ACME_NS)
         assert client.shm_available  # opens the session: arena and index mapped
@@ -336,8 +337,7 @@ def test_off_x86_the_client_maps_no_table_and_lookups_go_over_grpc(
     srv = Served(make_cache(4), tmp_path)
     try:
         cache = srv.cache
-        for i in range(3):
-            cache.put(ACME_NS.namespace_id, h(i), bytes([i]) * CHUNK)
+        put_acme(cache, 3)
         with srv.client(ACME) as client, caplog.at_level(logging.WARNING):
             ns_id = client.register_namespace(ACME_NS)
             assert client.shm_available  # the arena is mapped, the index is not
