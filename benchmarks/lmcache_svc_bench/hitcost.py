@@ -373,7 +373,7 @@ def _outside_forward(report: Report, samples: dict[str, dict[int, list[Sample]]]
 def _gap_cells(gap: Gap) -> list[object]:
     """A paired gap's table cells: its median, the median's interval, the quartiles."""
     low_high = f"{gap.low:.2f} to {gap.high:.2f}"
-    return [gap.median, low_high, percentile(gap.diffs, 25), percentile(gap.diffs, 75)]
+    return [gap.median, low_high, percentile(gap.values, 25), percentile(gap.values, 75)]
 
 
 def _outside_ms(sample: Sample) -> float | None:

@@ -55,16 +55,16 @@ GAP_LEVEL = 0.9  # coverage of the interval given with each paired median
 
 @dataclass(frozen=True)
 class Gap:
-    """Per-query differences of one engine's TTFT to a baseline engine's (ms, paired by
-    query), their median and that median's percentile-bootstrap interval (``GAP_LEVEL``):
-    how far the pairs' noise lets the median move."""
+    """Per-query comparisons of one engine's TTFT to a baseline engine's (paired by query:
+    differences in ms, or ratios), their median and that median's percentile-bootstrap
+    interval (``GAP_LEVEL``): how far the pairs' noise lets the median move."""
 
-    diffs: list[float]
+    values: list[float]
     median: float
     low: float
     high: float
 
     @classmethod
-    def of(cls, diffs: list[float]) -> Gap:
-        low, high = median_interval(diffs, level=GAP_LEVEL)
-        return cls(diffs, median(diffs), low, high)
+    def of(cls, values: list[float]) -> Gap:
+        low, high = median_interval(values, level=GAP_LEVEL)
+        return cls(values, median(values), low, high)

@@ -249,7 +249,7 @@ def fixed_cost_target(
     over, copy_ms, gap = excess(worst)
     report.target(
         f"({name}) - (c) TTFT beyond the memcpy time of the loaded KV ({copy_ms:.2f} ms at "
-        f"{gbps:.1f} GB/s, same run), paired median of {len(gap.diffs)} queries, worst cell "
+        f"{gbps:.1f} GB/s, same run), paired median of {len(gap.values)} queries, worst cell "
         f"(ctx {worst[0]}, q {worst[1]}; {GAP_LEVEL:.0%} interval of the pairs' median "
         f"{gap.low - copy_ms:.2f} to {gap.high - copy_ms:.2f}), ms",
         over,
@@ -262,6 +262,17 @@ def fixed_cost_target(
 def paired_gap(samples: Sequence[Sample], base: Sequence[Sample]) -> Gap:
     """The per-query TTFT differences ``samples`` minus ``base`` in ms (query i with query
     i: the same prompt on two engines side by side)."""
+    return Gap.of([(s.ttft_s - b.ttft_s) * 1e3 for s, b in _pairs(samples, base)])
+
+
+def paired_ratio(samples: Sequence[Sample], base: Sequence[Sample]) -> Gap:
+    """The per-query TTFT ratios ``samples`` over ``base`` (query i with query i), their
+    median and its interval: a ratio that the host's drift between queries does not move,
+    as it moves the ratio of two medians taken apart."""
+    return Gap.of([s.ttft_s / b.ttft_s for s, b in _pairs(samples, base)])
+
+
+def _pairs(samples: Sequence[Sample], base: Sequence[Sample]) -> list[tuple[Sample, Sample]]:
     if len(samples) != len(base):
         raise ValueError(f"pairs need as many samples: {len(samples)} and {len(base)}")
-    return Gap.of([(s.ttft_s - b.ttft_s) * 1e3 for s, b in zip(samples, base)])
+    return list(zip(samples, base))

@@ -261,6 +261,37 @@ def test_fixed_cost_is_the_median_of_the_per_query_differences(tmp_path: Path) -
     assert dict(zip(ttft.columns, ttft.rows[0]))["b - c, paired ms"] == pytest.approx(1.0)
 
 
+def test_ratio_targets_are_the_median_of_the_per_query_ratios(tmp_path: Path) -> None:
+    """The medians' ratio reads 1.10 here (22 / 20 ms) because the host was slow for (b)'s
+    middle query and (c)'s first; query by query, (b) took 1.048x (c)'s time: the target's
+    figure. Against (d), a query by query 1.09 misses although the medians' ratio is 1.0."""
+
+    def samples(*ttft_ms: float) -> list[Sample]:
+        return [Sample(ms / 1e3, [1], 512) for ms in ttft_ms]
+
+    cell = (583, 167)
+    results = {
+        "a": {cell: samples(50, 50, 50)},
+        "b": {cell: samples(10, 22, 30)},
+        "c": {cell: samples(20, 21, 9)},
+        "d": {cell: samples(9, 22, 27.5)},
+    }
+    report = Report("ttft", "quick")
+    write_report(
+        report, params(_ctx(tmp_path)), results, tmp_path, kv_bytes_per_token=1000, gbps=10.0
+    )
+    vs_c = next(t for t in report.targets if t.name.startswith("(b) TTFT / (c) TTFT"))
+    assert vs_c.value == pytest.approx(22 / 21) and vs_c.met
+    assert "paired median of 3 queries" in vs_c.name
+    assert "the medians' ratio there 1.100" in vs_c.name
+    vs_d = next(t for t in report.targets if t.name.startswith("(b) TTFT / (d) TTFT"))
+    assert vs_d.value == pytest.approx(30 / 27.5) and not vs_d.met
+    assert "the medians' ratio there 1.000" in vs_d.name
+    row = dict(zip(report.tables[0].columns, report.tables[0].rows[0]))
+    assert row["b/c"] == pytest.approx(1.1) and row["b/c, paired"] == pytest.approx(22 / 21)
+    assert row["b/d"] == pytest.approx(1.0) and row["b/d, paired"] == pytest.approx(30 / 27.5)
+
+
 @pytest.mark.parametrize(
     ("model", "a_ms", "judged"),
     [("tiny", 50.0, True), ("tiny", 700.0, False), ("medium", 700.0, True)],
