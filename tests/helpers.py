@@ -16,12 +16,15 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pytest
 
 from lmcache_svc.keys import ChunkKey, KVLayout, Namespace
+
+if TYPE_CHECKING:
+    from lmcache_svc.cache.tiered_cache import TieredCache
 
 CHUNK_BYTES = 4096  # the chunk size of make_namespace() and the default size of make_chunk()
 
@@ -75,6 +78,14 @@ class ManualClock:
 
     def __call__(self) -> float:
         return self.now
+
+
+def put_chunks(cache: TieredCache, namespace: Namespace, hashes: list[bytes]) -> list[bytes]:
+    """Store chunk ``i`` of ``hashes`` under ``namespace``, ``chunk_bytes`` of byte ``i``;
+    returns ``hashes``."""
+    for i, digest in enumerate(hashes):
+        cache.put(namespace.namespace_id, digest, bytes([i]) * namespace.chunk_bytes)
+    return hashes
 
 
 def address_of(buffer: Any) -> int:

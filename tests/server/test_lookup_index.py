@@ -28,7 +28,7 @@ from lmcache_svc.server.tokens import Authenticator
 from lmcache_svc.shm.arena import Arena
 from lmcache_svc.tiers.cpu import CpuTier
 from lmcache_svc.tiers.ssd import SsdTier
-from tests.helpers import address_of
+from tests.helpers import address_of, put_chunks
 
 LAYOUT = KVLayout(
     "uint8", num_layers=1, num_kv_heads=1, head_size=128, block_size=16, page_layout="test"
@@ -58,10 +58,7 @@ def h(i: int) -> bytes:
 
 def put_acme(cache: TieredCache, n: int) -> list[bytes]:
     """Chunks h(0) .. h(n - 1) stored under ACME_NS, chunk i filled with byte i."""
-    hashes = [h(i) for i in range(n)]
-    for i, digest in enumerate(hashes):
-        cache.put(ACME_NS.namespace_id, digest, bytes([i]) * CHUNK)
-    return hashes
+    return put_chunks(cache, ACME_NS, [h(i) for i in range(n)])
 
 
 def make_cache(

@@ -36,6 +36,7 @@ from tests.server.test_lookup_index import (
     Served,
     h,
     make_cache,
+    put_acme,
 )
 
 
@@ -77,8 +78,7 @@ QUERIES = [[h(0), h(1), h(2), h(9), h(1)], [h(9)], [h(1), h(2)], []]
 
 def test_index_answered_lookups_count_as_grpc_lookups_would(served: Served) -> None:
     cache = served.cache
-    for i in range(3):
-        cache.put(ACME_NS.namespace_id, h(i), bytes([i]) * CHUNK)
+    put_acme(cache, 3)
     with (
         served.client(ACME, report_interval_s=3600) as local,
         served.client(ACME, local_lookup=False) as remote,
