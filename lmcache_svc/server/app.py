@@ -169,6 +169,7 @@ class Service:
 
     async def run(self) -> None:
         cfg = self.config
+        callers = asyncio.all_tasks()  # this one and those waiting on it: not the server's
         if cfg.socket is not None:
             _prepare_socket_path(cfg.socket, cfg.socket_mode)
         for name in remove_orphan_segments():
@@ -229,6 +230,7 @@ class Service:
                 await http_task
             servicer.stop()
             await grpc_server.stop(grace=5)
+            await _calls_end(callers, timeout_s=5)
             servicer.close()
             cache.close()
             close_events(cache)
@@ -245,6 +247,20 @@ class Service:
             tmp = self.config.ready_file.with_suffix(".tmp")
             tmp.write_text(line + "\n")
             tmp.replace(self.config.ready_file)
+
+
+async def _calls_end(callers: set[asyncio.Task[Any]], timeout_s: float) -> None:
+    """After the gRPC server stopped: let what its calls left on the loop end before the cache
+    closes and the loop cancels it. A session's clean-up (its client went away) still runs on
+    the arena pool, and a call's last step (its final status) can wake in the same turn as
+    the server's shutdown."""
+    left = asyncio.all_tasks() - callers
+    if not left:
+        return
+    _, pending = await asyncio.wait(left, timeout=timeout_s)
+    if pending:
+        log.warning("%d tasks of gRPC calls still running %.0f s after the server stopped: "
+                    "closing the cache under them", len(pending), timeout_s)  # fmt: skip
 
 
 def _add_grpc_port(server: grpc.aio.Server, host: str, port: int) -> int:
