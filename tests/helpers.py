@@ -11,6 +11,8 @@ chunk again to compare it with what it reads back. The defaults fit together:
 from __future__ import annotations
 
 import hashlib
+import os
+import secrets
 import socket
 import sys
 import time
@@ -21,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import pytest
 
+from lmcache_svc.config import Config, load_config
 from lmcache_svc.keys import ChunkKey, KVLayout, Namespace
 
 if TYPE_CHECKING:
@@ -86,6 +89,24 @@ def put_chunks(cache: TieredCache, namespace: Namespace, hashes: list[bytes]) ->
     for i, digest in enumerate(hashes):
         cache.put(namespace.namespace_id, digest, bytes([i]) * namespace.chunk_bytes)
     return hashes
+
+
+def in_process_config(**overrides: Any) -> Config:
+    """The config of a server run in this process (``app.Service(config).run()``): a 4 MiB
+    arena under a name of its own, no prefault, and no listener unless ``overrides`` (dotted
+    keys, as ``load_config`` takes them) name one."""
+    return load_config(
+        env={},
+        overrides={
+            "cpu.capacity": "4MiB",
+            "cpu.prefault": "off",
+            "cpu.shm_name": f"lmcache-svc-test-{os.getpid()}-{secrets.token_hex(4)}",
+            "socket": None,
+            "http_port": None,
+            "grpc_port": None,
+            **overrides,
+        },
+    )
 
 
 def address_of(buffer: Any) -> int:

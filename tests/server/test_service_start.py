@@ -4,40 +4,21 @@ the next start's orphan clean-up)."""
 from __future__ import annotations
 
 import asyncio
-import os
-import secrets
 import socket
 from pathlib import Path
 
 import pytest
 
-from lmcache_svc.config import Config, load_config
 from lmcache_svc.errors import ConfigError
 from lmcache_svc.server import app
-
-
-def _config(shm_name: str, grpc_port: int) -> Config:
-    return load_config(
-        env={},
-        overrides={
-            "cpu.capacity": "4MiB",
-            "cpu.prefault": "off",
-            "cpu.shm_name": shm_name,
-            "socket": None,
-            "http_port": None,
-            "grpc_port": grpc_port,
-        },
-    )
-
-
-def _shm_name() -> str:
-    return f"lmcache-svc-test-{os.getpid()}-{secrets.token_hex(4)}"
+from tests.helpers import in_process_config
 
 
 def test_a_grpc_server_that_cannot_be_built_releases_the_arena(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    name = _shm_name()
+    config = in_process_config(grpc_port=0)
+    name = config.cpu.shm_name
     seen: list[bool] = []
 
     def fail(*args: object, **kwargs: object) -> None:
@@ -46,20 +27,21 @@ def test_a_grpc_server_that_cannot_be_built_releases_the_arena(
 
     monkeypatch.setattr(app, "build_grpc_server", fail)
     with pytest.raises(RuntimeError, match="could not be built"):
-        asyncio.run(app.Service(_config(name, 0)).run())
+        asyncio.run(app.Service(config).run())
     assert seen == [True]
     assert not Path("/dev/shm", name).exists()
 
 
 def test_a_taken_grpc_port_releases_the_arena() -> None:
-    name = _shm_name()
     taken = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     try:
         taken.bind(("127.0.0.1", 0))
         taken.listen(1)
         port = taken.getsockname()[1]
+        config = in_process_config(grpc_port=port)
+        name = config.cpu.shm_name
         with pytest.raises(ConfigError, match=f"cannot listen on 127.0.0.1:{port} for gRPC"):
-            asyncio.run(app.Service(_config(name, port)).run())
+            asyncio.run(app.Service(config).run())
     finally:
         taken.close()
     assert not Path("/dev/shm", name).exists()

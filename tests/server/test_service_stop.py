@@ -4,8 +4,6 @@ the cache: a session whose client just went away is given back in full, not cut 
 from __future__ import annotations
 
 import asyncio
-import os
-import secrets
 import threading
 import time
 from pathlib import Path
@@ -14,26 +12,18 @@ import pytest
 
 from lmcache_svc.cache import TieredCache
 from lmcache_svc.client import CacheClient
-from lmcache_svc.config import load_config
 from lmcache_svc.server import app
+from tests.helpers import in_process_config
 
 
 def test_a_session_cleanup_running_at_stop_ends_before_the_cache_closes(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     socket_path = tmp_path / "grpc.sock"
-    config = load_config(
-        env={},
-        overrides={
-            "cpu.capacity": "4MiB",
-            "cpu.prefault": "off",
-            "cpu.shm_name": f"lmcache-svc-test-{os.getpid()}-{secrets.token_hex(4)}",
-            "ssd.path": str(tmp_path / "ssd"),  # a tier that may block: clean-ups off the loop
-            "ssd.capacity": "64MiB",
-            "socket": str(socket_path),
-            "http_port": None,
-            "grpc_port": None,
-        },
+    config = in_process_config(
+        socket=str(socket_path),
+        # A tier that may block: the session clean-ups run off the event loop.
+        **{"ssd.path": str(tmp_path / "ssd"), "ssd.capacity": "64MiB"},
     )
     cleanup_started = threading.Event()
     order: list[str] = []
