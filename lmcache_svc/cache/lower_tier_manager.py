@@ -127,6 +127,7 @@ class LowerTierManager:
         self._tiers = [self._make(t, p) for t, p in tiers]
         self._resyncing: set[str] = set()
         self._probing: set[str] = set()
+        self._closing = False
         self._deletes = _DeleteLog()
         self._evictions = _DeleteLog()
         for lt in self._tiers:
@@ -492,6 +493,8 @@ class LowerTierManager:
                 lt.tier.name, len(found), gone,
             )  # fmt: skip
         except TierError as e:
+            if self._closing:
+                return  # the tiers were closed under the scan: the server stops
             self._failed(lt.tier, e)
             lt.breaker.failure()
         finally:
@@ -525,6 +528,7 @@ class LowerTierManager:
         self._metrics.tier_errors.labels(tier=tier.name, kind=error.kind).inc()
 
     def close(self) -> None:
+        self._closing = True  # a resync still scanning on its thread ends quietly
         for lt in self._tiers:
             lt.tier.close()
 

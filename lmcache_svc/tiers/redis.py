@@ -283,6 +283,7 @@ class RedisTier(Tier):
                 keys = client.scan_iter(match=pattern, count=_SCAN_COUNT)
                 while batch := list(islice(keys, _SCAN_COUNT)):
                     yield from self._scan_sizes(client, batch, ledger)
+                    self._refuse_if_closed("scan")  # not on a connection made after close
 
     def describe_many(self, keys: Sequence[ChunkKey]) -> list[ChunkDescription | None]:
         """Each chunk's stored description: a pipelined GETRANGE of its value's header and
@@ -324,12 +325,24 @@ class RedisTier(Tier):
 
     @contextmanager
     def _errors(self, op: str) -> Iterator[None]:
-        if self._closed:
-            raise TierError(f"Redis tier {self.name!r} ({self.url}) is closed; {op} refused")
+        self._refuse_if_closed(op)
         try:
             yield
-        except BACKEND_ERRORS as e:
-            raise TierError(f"Redis {op} on {self.url} failed: {type(e).__name__}: {e}") from e
+        except TierError:
+            raise
+        except Exception as e:
+            if self._closed:  # close() shut the sockets under this call (on another thread)
+                raise TierError(
+                    f"Redis tier {self.name!r} ({self.url}) was closed during {op}: "
+                    f"{type(e).__name__}: {e}"
+                ) from e
+            if isinstance(e, BACKEND_ERRORS):
+                raise TierError(f"Redis {op} on {self.url} failed: {type(e).__name__}: {e}") from e
+            raise
+
+    def _refuse_if_closed(self, op: str) -> None:
+        if self._closed:
+            raise TierError(f"Redis tier {self.name!r} ({self.url}) is closed; {op} refused")
 
     @property
     def _client(self) -> Any:

@@ -12,6 +12,8 @@ import signal
 import threading
 from collections.abc import Callable
 
+import pytest
+
 from lmcache_svc.cache import TieredCache
 from lmcache_svc.cache.lower_tier_manager import LowerTierManager
 from lmcache_svc.cache.settings import CacheSettings
@@ -81,6 +83,20 @@ def test_writes_redis_refuses_for_memory_are_counted(
     assert refused >= 1, "Redis refused writes (maxmemory) and nothing was counted"
     assert tier.num_chunks < 8
     lower.close()
+
+
+def test_a_resync_the_tiers_are_closed_under_ends_quietly(
+    redis_factory: Callable[..., RedisProc], caplog: pytest.LogCaptureFixture
+) -> None:
+    redis = redis_factory()
+    tier = RedisTier(redis.url, 1 << 30, key_prefix="resync:")
+    metrics = Metrics()
+    lower = LowerTierManager([(tier, TierPolicy(accept_demotions=True))], metrics)
+    lower.close()
+    lower._resync(lower._tiers[0])  # the resync thread's body, its scan refused by the close
+    assert metrics.tier_errors.labels(tier=tier.name, kind="tier_unavailable")._value.get() == 0
+    assert "failed" not in caplog.text
+    assert lower._tiers[0].breaker.state == "closed"  # a stopping server marks nothing down
 
 
 NS = make_namespace(chunk_size=256)

@@ -345,6 +345,32 @@ def test_closed_tier_refuses(make_tier: TierFactory) -> None:
         tier.put(make_key(1), make_chunk(1))
 
 
+def test_a_scan_the_tier_is_closed_under_stops_with_a_tier_error(make_tier: TierFactory) -> None:
+    tier = make_tier()
+    assert tier.put_many([(make_key(i), make_chunk(i, 64)) for i in range(1500)]) == [True] * 1500
+    scan = tier.scan()  # more than one SCAN batch
+    next(scan)
+    tier.close()  # a resync's scan runs on its own thread while the server stops
+    with pytest.raises(TierError, match="is closed; scan refused"):
+        list(scan)  # not carried on over a connection made after the close
+
+
+def test_a_call_the_tier_is_closed_under_is_a_tier_error_naming_the_close(
+    make_tier: TierFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    tier = make_tier()
+    assert tier.put(make_key(1), make_chunk(1))
+
+    def closed_under_the_read(*args: object) -> Iterator[tuple[ChunkKey, int]]:
+        tier.close()
+        raise ValueError("I/O operation on closed file.")  # redis-py, its socket shut
+        yield  # a generator, as the method it stands for
+
+    monkeypatch.setattr(tier, "_scan_sizes", closed_under_the_read)
+    with pytest.raises(TierError, match="was closed during scan: ValueError"):
+        list(tier.scan())
+
+
 @pytest.mark.parametrize(
     ("kwargs", "needle"),
     [
