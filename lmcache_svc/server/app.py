@@ -259,7 +259,7 @@ async def _calls_end(callers: set[asyncio.Task[Any]], timeout_s: float) -> None:
         return
     _, pending = await asyncio.wait(left, timeout=timeout_s)
     if pending:
-        log.warning("%d tasks of gRPC calls still running %.0f s after the server stopped: "
+        log.warning("%d tasks of gRPC calls still running %g s after the server stopped: "
                     "closing the cache under them", len(pending), timeout_s)  # fmt: skip
 
 
